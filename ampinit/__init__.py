@@ -1,0 +1,16 @@
+"""ampinit: apex-compatible mixed precision for current PyTorch (``import ampinit as amp``)."""
+
+from ._version import __version__
+from .frontend import end, handle_of, initialize, load_state_dict, master_params, scale_loss, state_dict
+from .handle import AmpHandle
+from .opt_levels import OPT_LEVELS, AmpConfig
+from .registry import (disable_casts, float_function, half_function, promote_function,
+                       register_float_function, register_half_function, register_promote_function)
+from .scaler import LossScaler
+
+__all__ = [
+    "__version__", "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+    "end", "handle_of", "AmpHandle", "AmpConfig", "OPT_LEVELS", "LossScaler", "disable_casts",
+    "half_function", "float_function", "promote_function", "register_half_function",
+    "register_float_function", "register_promote_function",
+]

@@ -1,0 +1,252 @@
+"""apex's ``amp`` API: ``initialize``, ``scale_loss``, ``master_params``, ``state_dict``,
+``load_state_dict``, plus ``end`` and ``handle_of``.
+
+The only module that wires the others together.  Each ``initialize`` makes an independent
+:class:`~ampinit.AmpHandle` owned by the returned optimizer (``optimizer.amp``) and model.
+For apex compatibility the module-level ``state_dict``/``load_state_dict``/``end`` act on the
+*most recent* ``initialize`` call, remembered by a weak reference (so it never keeps a model
+alive); with several live initializations, call the handle's own methods instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from . import optimizer as amp_optimizer
+from .handle import AmpHandle, handle_of_model
+from .opt_levels import AmpConfig, resolve_config
+
+__all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
+           "handle_of"]
+
+logger = logging.getLogger("ampinit")
+
+
+class _DisabledInitialization:
+    """What ``initialize(..., enabled=False)`` leaves behind: nothing but the fact."""
+
+    def __init__(self, config: AmpConfig):
+        self.config = config
+
+
+# The most recent initialize call (apex's module-level API refers to it): a weak reference
+# to an AmpHandle, or the stand-in of a disabled call.
+_most_recent: Callable[[], Any] = lambda: None
+
+
+def _remember(handle: Any) -> None:
+    global _most_recent
+    if isinstance(handle, AmpHandle):
+        _most_recent = weakref.ref(handle)
+    else:
+        _most_recent = lambda: handle  # noqa: E731 (holds no model)
+
+
+def _as_list(value: Any, kind: type, name: str) -> Tuple[List[Any], bool]:
+    is_list = isinstance(value, (list, tuple))
+    items = list(value) if is_list else [value]
+    if not items:
+        raise ValueError(f"{name} is an empty list")
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"{name} must be a {kind.__name__} or a list of them; got "
+                            f"{type(item).__name__}")
+    if len({id(item) for item in items}) != len(items):
+        raise ValueError(f"the same object appears twice in {name}")
+    return items, is_list
+
+
+def _model_device(models: Sequence[nn.Module]) -> torch.device:
+    devices = {t.device for m in models for t in list(m.parameters()) + list(m.buffers())
+               if t.is_floating_point()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
+                         "ampinit needs one device per initialize: move the model with .to(device)")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _check_models(models: Sequence[nn.Module]) -> None:
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    for model in models:
+        if isinstance(model, wrappers):
+            raise TypeError(f"the model is wrapped in {type(model).__name__}: call "
+                            "ampinit.initialize on the plain model first, then wrap the "
+                            "model it returns")
+        if handle_of_model(model) is not None:
+            raise RuntimeError("this model is already initialized by ampinit; call "
+                               "ampinit.end(model) before initializing it again")
+
+
+def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
+    seen = set()
+    for opt in optimizers:
+        if amp_optimizer.binding_of(opt) is not None:
+            raise RuntimeError("this optimizer is already initialized by ampinit; call "
+                               "ampinit.end(optimizer) before initializing it again")
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if id(param) in seen:
+                    raise ValueError("a parameter is in two of the optimizers passed to "
+                                     "initialize; give each parameter to one optimizer")
+                seen.add(id(param))
+                if param.device != device:
+                    raise ValueError(f"an optimizer parameter is on {param.device} but the model "
+                                     f"is on {device}: build the optimizer from the model's "
+                                     "parameters after moving the model")
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
+               min_loss_scale=None, max_loss_scale=2. ** 24):
+    """Prepare models and optimizers for mixed precision (apex's signature and levels).
+
+    Args:
+        models: an ``nn.Module`` or a list of them; returned in the same shape.
+        optimizers: an optimizer, a list of them, or ``None`` (then only models are returned).
+        enabled: ``False`` returns everything untouched and makes ``scale_loss`` a no-op.
+        opt_level: ``"O0"`` fp32; ``"O1"`` fp16 autocast in forward; ``"O2"`` fp16 model with
+            FP32 masters; ``"O3"`` pure fp16; ``"O4"``/``"O5"`` the bf16 versions of O1/O2.
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights,
+        loss_scale, cast_model_outputs: override the level's properties (apex's strings such
+            as ``"True"`` or ``"128.0"`` are accepted).
+        num_losses: independent loss scalers, picked with ``scale_loss(..., loss_id=i)``.
+        verbosity: 0 silent, 1 level and overflow messages, 2 more (through ``logging``).
+        min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.
+
+    Returns:
+        ``models`` or ``(models, optimizers)``: the same objects, set up in place.  The
+        optimizer's ``amp`` attribute is this initialization's :class:`~ampinit.AmpHandle`.
+
+    Raises ``TypeError``/``ValueError``/``RuntimeError`` on bad input before changing anything.
+    """
+    config = resolve_config(opt_level, enabled=enabled, cast_model_type=cast_model_type,
+                            patch_torch_functions=patch_torch_functions,
+                            keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                            loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
+                            num_losses=num_losses, verbosity=verbosity,
+                            min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+    model_list, models_is_list = _as_list(models, nn.Module, "models")
+    opt_list, opts_is_list = ([], False) if optimizers is None else \
+        _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    if not config.enabled:
+        _remember(_DisabledInitialization(config))
+        return models if optimizers is None else (models, optimizers)
+    _check_models(model_list)
+    device = _model_device(model_list)
+    _check_optimizers(opt_list, device)
+
+    handle = AmpHandle(config, model_list, opt_list, device)
+    _remember(handle)
+    out_models = model_list if models_is_list else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (opt_list if opts_is_list else opt_list[0])
+
+
+@contextlib.contextmanager
+def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model: Optional[nn.Module] = None,
+               delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
+    """Yield ``loss.float() * loss_scale`` for ``backward()``; on exit unscale the gradients
+    into the master weights and check them for inf/NaN.
+
+    An inf/NaN makes the next ``optimizer.step()`` a no-op and backs the loss scale off.
+    ``delay_unscale=True`` leaves the gradients scaled so the next micro-batch accumulates
+    onto them (gradient accumulation); the last ``scale_loss`` before ``step()`` must use
+    ``delay_unscale=False``.  ``model`` and ``delay_overflow_check`` are accepted for apex
+    compatibility: the overflow check is always deferred to ``step()``.
+
+    No host synchronisation happens here; ``optimizer.step()`` reads the flag once.
+    """
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        raise TypeError(f"scale_loss needs the loss as a floating-point tensor; got "
+                        f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else loss.dtype}")
+    opt_list, _ = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    if not isinstance(delay_unscale, bool):
+        raise TypeError(f"delay_unscale must be a bool; got {type(delay_unscale).__name__}")
+    bindings = [amp_optimizer.binding_of(opt) for opt in opt_list]
+    if all(b is None for b in bindings) and isinstance(_most_recent(), _DisabledInitialization):
+        yield loss
+        return
+    if any(b is None for b in bindings):
+        raise RuntimeError("scale_loss got an optimizer that ampinit.initialize did not return: "
+                           "call `model, optimizer = ampinit.initialize(model, optimizer, "
+                           "opt_level=...)` first and pass that optimizer")
+    handle = bindings[0].handle
+    if any(b.handle is not handle for b in bindings):
+        raise ValueError("scale_loss got optimizers from different initialize calls; scale "
+                         "each loss with the optimizers of one initialization")
+    with handle.scale_loss(loss, bindings, loss_id, delay_unscale) as scaled_loss:
+        yield scaled_loss
+
+
+def handle_of(obj: Any = None) -> AmpHandle:
+    """The :class:`~ampinit.AmpHandle` of a model, an optimizer, or (``None``) of the most
+    recent ``initialize`` call."""
+    if isinstance(obj, AmpHandle):
+        return obj
+    if obj is None:
+        handle = _most_recent()
+        if handle is None:
+            raise RuntimeError("no live ampinit initialization: call ampinit.initialize first")
+        if isinstance(handle, _DisabledInitialization):
+            raise RuntimeError("the most recent ampinit.initialize had enabled=False")
+        return handle
+    if isinstance(obj, torch.optim.Optimizer):
+        binding = amp_optimizer.binding_of(obj)
+        if binding is not None:
+            return binding.handle
+    elif isinstance(obj, nn.Module):
+        handle = handle_of_model(obj)
+        if handle is not None:
+            return handle
+    else:
+        raise TypeError(f"handle_of takes a model, an optimizer, an AmpHandle or None; got "
+                        f"{type(obj).__name__}")
+    raise RuntimeError(f"this {type(obj).__name__} was not initialized by ampinit (or its "
+                       "initialization has ended)")
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` updates: FP32 masters where there are any (apex API).
+    Clip these, not the model's parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"master_params takes an optimizer; got {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination: Optional[dict] = None) -> dict:
+    """The most recent initialization's amp state (apex's ``loss_scaler<i>`` layout plus an
+    ``ampinit`` entry).  Synchronises with the device.  Empty after ``enabled=False``."""
+    recent = _most_recent()
+    if destination is not None and not isinstance(destination, dict):
+        raise TypeError(f"destination must be a dict; got {type(destination).__name__}")
+    out = OrderedDict() if destination is None else destination
+    if isinstance(recent, _DisabledInitialization):
+        return out
+    out.update(handle_of(None).state_dict())
+    return out
+
+
+def load_state_dict(state_dict: dict) -> None:
+    """Load an amp state (ours or apex's) into the most recent initialization.  Call it after
+    ``initialize`` and after loading the model and optimizer state, as apex documents."""
+    if isinstance(_most_recent(), _DisabledInitialization):
+        logger.info("ampinit: load_state_dict ignored: the most recent initialize had enabled=False")
+        return
+    handle_of(None).load_state_dict(state_dict)
+
+
+def end(obj: Union[nn.Module, torch.optim.Optimizer, AmpHandle, None] = None) -> None:
+    """End the initialization of ``obj`` (a model, optimizer or handle; ``None``: the most
+    recent): hooks removed, the model back in its original dtypes with the master values,
+    the optimizer back to its own class updating the model's parameters."""
+    handle_of(obj).end()

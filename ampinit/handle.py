@@ -1,0 +1,332 @@
+"""``AmpHandle``: everything one ``initialize`` call set up, owned by objects the user holds.
+
+The handle is reachable from the optimizer (``optimizer.amp``) and from the model (through
+its hooks), never from module-level state, so any number of initializations coexist and a
+dropped model frees its handle.  :meth:`AmpHandle.end` undoes an initialization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import optimizer as amp_optimizer
+from .casting import ModelCasting
+from .master import OptimizerMasters
+from .opt_levels import AmpConfig
+from .scaler import LossScaler
+
+__all__ = ["AmpHandle"]
+
+logger = logging.getLogger("ampinit")
+_MODEL_ATTR = "_ampinit_handle"
+STATE_VERSION = 1
+_RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
+
+
+def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
+    return model.__dict__.get(_MODEL_ATTR)
+
+
+class OptimizerBinding:
+    """One optimizer's link to its handle: masters, found-inf flag, step counters."""
+
+    def __init__(self, handle: "AmpHandle", optimizer: torch.optim.Optimizer, masters: OptimizerMasters,
+                 index: int):
+        self.handle = handle
+        self.optimizer = optimizer
+        self.masters = masters
+        self.index = index
+        self.steps = 0
+        self.skipped_steps = 0
+
+    def check_ready_for_step(self) -> None:
+        if self.masters.pending_scaled:
+            raise RuntimeError(
+                "optimizer.step() was called while gradients are still scaled: the last "
+                "scale_loss used delay_unscale=True.  Pass delay_unscale=False to the last "
+                "scale_loss before step()")
+        if not self.masters.unscaled_since_step:
+            for model, master in self.masters.pairs():
+                if model is not master and model.grad is not None and master.grad is None:
+                    raise RuntimeError(
+                        "optimizer.step() found gradients on the model's low-precision "
+                        "parameters but none on the FP32 master weights it updates: run the "
+                        "backward inside `with ampinit.scale_loss(loss, optimizer) as "
+                        "scaled_loss: scaled_loss.backward()`")
+
+    def skip_step(self) -> None:
+        self.steps += 1
+        self.skipped_steps += 1
+        self.masters.drop_all_grads()
+        self.masters.end_step()
+        self.handle.report_skip(self)
+
+    def after_step(self) -> None:
+        self.steps += 1
+        self.masters.copy_masters_to_model()
+        self.masters.end_step()
+
+    def add_param_group(self, param_group: dict, base_add: Callable[[dict], None]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        known = {id(model) for model, _ in self.masters.pairs()}
+        for param in params:
+            if id(param) in known:
+                raise ValueError("some parameters appear in more than one parameter group")
+            self.handle.check_param_device(param)
+        wrapped = dict(param_group, params=self.masters.wrap_params(params))
+        try:
+            base_add(wrapped)
+        except Exception:
+            for param in params:
+                self.masters.master_of.pop(param, None)
+            raise
+
+
+class AmpHandle:
+    """The state of one ``initialize`` call.
+
+    Attributes:
+        config: the resolved :class:`~ampinit.AmpConfig`.
+        models, optimizers: what was initialized (the same objects the user holds).
+        loss_scalers: one :class:`~ampinit.LossScaler` per loss (``num_losses``).
+    """
+
+    def __init__(self, config: AmpConfig, models: Sequence[nn.Module],
+                 optimizers: Sequence[torch.optim.Optimizer], device: torch.device):
+        self.config = config
+        self.device = device
+        self.models = list(models)
+        self.optimizers = list(optimizers)
+        self.ended = False
+        self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
+                                       keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
+                                       autocast_dtype=config.autocast_dtype,
+                                       cast_model_outputs=config.cast_model_outputs)
+                          for m in self.models]
+        # Masters start from the FP32 values, captured before the model is cast.
+        fp32_values = {t: t.detach().clone() for c in self._castings for t in c.original_dtypes
+                       if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
+        for casting in self._castings:
+            casting.apply()
+        self._bindings: List[OptimizerBinding] = []
+        for index, opt in enumerate(self.optimizers):
+            masters = OptimizerMasters(opt, config.master_weights, device, fp32_values)
+            masters.install()
+            binding = OptimizerBinding(self, opt, masters, index)
+            amp_optimizer.attach(opt, binding)
+            self._bindings.append(binding)
+        del fp32_values
+        self.loss_scalers = [LossScaler(config.loss_scale, device=device,
+                                        min_loss_scale=config.min_loss_scale,
+                                        max_loss_scale=config.max_loss_scale)
+                             for _ in range(config.num_losses)]
+        self._state_dict_hooks = [h for m in self.models for h in self._install_state_dict_hooks(m)]
+        for model in self.models:
+            model.__dict__[_MODEL_ATTR] = self
+        self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
+
+    # -- logging --------------------------------------------------------------------------------
+    def log(self, min_verbosity: int, message: str, level: int = logging.INFO) -> None:
+        """Log ``message`` if this handle's verbosity is at least ``min_verbosity``."""
+        if self.config.verbosity >= min_verbosity:
+            logger.log(level, message)
+
+    def report_skip(self, binding: OptimizerBinding) -> None:
+        """Rate-limited overflow message.  Reads the new scales (a sync, only on a skip)."""
+        n = binding.skipped_steps
+        if n > _RATE_LIMIT_AFTER and n & (n - 1):
+            return
+        scales = ", ".join(f"{s.loss_scale():g}" for s in self.loss_scalers)
+        tail = " (further messages only at powers of two)" if n == _RATE_LIMIT_AFTER else ""
+        self.log(1, f"Gradient overflow: skipped step {binding.steps} of optimizer "
+                    f"{binding.index} ({n} skipped so far); loss scale now {scales}{tail}",
+                 logging.WARNING)
+
+    # -- introspection ----------------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/NaN gradients, over all optimizers of this handle."""
+        return sum(b.skipped_steps for b in self._bindings)
+
+    def loss_scale(self, loss_id: int = 0) -> float:
+        """Current scale of loss ``loss_id``.  Synchronises with the device."""
+        return self.loss_scalers[self._check_loss_id(loss_id)].loss_scale()
+
+    def binding(self, optimizer: Any) -> OptimizerBinding:
+        binding = amp_optimizer.binding_of(optimizer)
+        if binding is None or binding.handle is not self:
+            raise RuntimeError("this optimizer was not initialized by this ampinit handle")
+        return binding
+
+    def master_params(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                yield from group["params"]
+
+    def check_param_device(self, param: torch.Tensor) -> None:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"optimizer parameters must be tensors; got {type(param).__name__}")
+        if param.device != self.device:
+            raise ValueError(f"parameter on {param.device}, but this initialization runs on "
+                             f"{self.device}: move it there first")
+
+    def _check_loss_id(self, loss_id: Any) -> int:
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) \
+                or not 0 <= loss_id < len(self.loss_scalers):
+            raise ValueError(f"loss_id must be an int in [0, {len(self.loss_scalers)}) "
+                             f"(initialize(..., num_losses={len(self.loss_scalers)})); got {loss_id!r}")
+        return loss_id
+
+    # -- the backward ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, bindings: Sequence[OptimizerBinding], loss_id: int,
+                   delay_unscale: bool) -> Iterator[torch.Tensor]:
+        """See :func:`ampinit.scale_loss`.  No host synchronisation."""
+        self._check_not_ended()
+        scaler = self.loss_scalers[self._check_loss_id(loss_id)]
+        for binding in bindings:
+            binding.masters.prepare_backward()
+        try:
+            yield scaler.scale(loss)
+        except BaseException:
+            for binding in bindings:
+                binding.masters.restore_after_failed_backward()
+            raise
+        if delay_unscale:
+            for binding in bindings:
+                binding.masters.pending_scaled = True
+            return
+        scaler.found_inf.zero_()
+        inv_scale = scaler.inv_scale()
+        for binding in bindings:
+            binding.masters.unscale_grads(inv_scale, scaler.found_inf)
+        for binding in bindings:
+            torch.maximum(binding.masters.found_inf, scaler.found_inf, out=binding.masters.found_inf)
+        scaler.update()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """apex's layout (``loss_scaler0``, ``loss_scaler1``, ...) plus an ``ampinit`` entry
+        with the options and step counters.  Synchronises with the device."""
+        state: Dict[str, Any] = {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.loss_scalers)}
+        state["ampinit"] = {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "optimizers": [{"steps": b.steps, "skipped_steps": b.skipped_steps} for b in self._bindings],
+        }
+        return state
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Restore :meth:`state_dict` output or an apex ``amp.state_dict()``.
+
+        Everything is validated before anything changes: a mismatched checkpoint raises
+        ``ValueError`` and leaves this handle as it was.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"amp state_dict must be a dict; got {type(state_dict).__name__}")
+        scaler_keys = sorted((k for k in state_dict if k.startswith("loss_scaler")),
+                             key=lambda k: (len(k), k))
+        expected = [f"loss_scaler{i}" for i in range(len(self.loss_scalers))]
+        if scaler_keys != expected:
+            raise ValueError(f"amp state_dict holds {scaler_keys or 'no loss scalers'}, but this "
+                             f"initialization has num_losses={len(self.loss_scalers)} ({expected}); "
+                             "initialize with the num_losses the checkpoint was saved with")
+        for key in expected:
+            LossScaler.check_state_dict(state_dict[key], key)
+        extra = state_dict.get("ampinit")
+        counters = None
+        if extra is not None:
+            if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
+                raise ValueError(f"unsupported ampinit state version in checkpoint: {extra!r:.80}")
+            counters = extra.get("optimizers", [])
+            if len(counters) != len(self._bindings):
+                raise ValueError(f"checkpoint has state for {len(counters)} optimizer(s), this "
+                                 f"initialization has {len(self._bindings)}")
+            saved_level = extra.get("config", {}).get("opt_level")
+            if saved_level != self.config.opt_level:
+                self.log(0, f"ampinit: loading state saved at opt_level {saved_level} into "
+                            f"opt_level {self.config.opt_level}", logging.WARNING)
+        for key, scaler in zip(expected, self.loss_scalers):
+            scaler.load_state_dict(state_dict[key])
+        for binding, counts in zip(self._bindings, counters or []):
+            binding.steps = int(counts.get("steps", 0))
+            binding.skipped_steps = int(counts.get("skipped_steps", 0))
+
+    def _master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        for binding in self._bindings:
+            master = binding.masters.master_of.get(param)
+            if master is not None:
+                return master
+        return None
+
+    def _install_state_dict_hooks(self, model: nn.Module):
+        """``model.state_dict()`` reports the FP32 masters (and the original dtypes of cast
+        tensors); ``model.load_state_dict()`` writes the masters too."""
+        original = {}
+        for casting in self._castings:
+            original.update(casting.original_dtypes)
+        master_of = self._master_of
+
+        def save_hook(module, state_dict, prefix, local_metadata):
+            for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+                key = prefix + name
+                if tensor is None or key not in state_dict:
+                    continue
+                master = master_of(tensor)
+                if master is not None:
+                    state_dict[key] = master.detach()
+                elif tensor in original:
+                    state_dict[key] = state_dict[key].to(original[tensor])
+
+        def load_hook(module, state_dict, prefix, *args):
+            with torch.no_grad():
+                for name, param in module._parameters.items():
+                    master = master_of(param)
+                    value = state_dict.get(prefix + name)
+                    if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+                        master.copy_(value)
+
+        hooks = []
+        for module in model.modules():
+            owned = list(module._parameters.values()) + list(module._buffers.values())
+            if any(t is not None and (t in original or master_of(t) is not None) for t in owned):
+                hooks.append(module.register_state_dict_post_hook(save_hook))
+                hooks.append(module.register_load_state_dict_pre_hook(load_hook))
+        return hooks
+
+    # -- ending -----------------------------------------------------------------------------------
+    def _check_not_ended(self) -> None:
+        if self.ended:
+            raise RuntimeError("this ampinit initialization has ended; call ampinit.initialize again")
+
+    def end(self) -> None:
+        """Undo this initialization: hooks removed, optimizers back to their own class with
+        the model parameters in ``param_groups``, and every cast tensor back to its original
+        dtype (parameters take their FP32 master values).  Idempotent."""
+        if self.ended:
+            return
+        for binding in self._bindings:
+            binding.masters.uninstall()
+            amp_optimizer.detach(binding.optimizer)
+        for hook in self._state_dict_hooks:
+            hook.remove()
+        with torch.no_grad():
+            for casting in self._castings:
+                casting.remove()
+                for tensor, dtype in casting.original_dtypes.items():
+                    if tensor.dtype != dtype:
+                        tensor.data = tensor.data.to(dtype)
+                        if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
+                            tensor.grad = tensor.grad.to(dtype)
+        for model in self.models:
+            model.__dict__.pop(_MODEL_ATTR, None)
+        self.ended = True
+        self.log(1, f"ampinit: ended opt_level {self.config.opt_level} initialization")

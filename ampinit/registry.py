@@ -1,0 +1,161 @@
+"""apex's user cast registry: ``register_*_function``, the ``*_function`` decorators and
+``disable_casts``, without patching ``torch``.
+
+- The decorators wrap *your* function.  The wrapper casts its floating-point tensor
+  arguments only while ``torch.autocast`` is enabled for their device (inside an O1/O4
+  forward, or your own autocast region) and then runs the function with autocast off, so
+  the function sees exactly the dtype it asked for.  Outside autocast it is a plain call.
+- ``register_*_function(module, name)`` on one of your own modules replaces
+  ``module.name`` with the decorated function, as apex did.  On a ``torch`` namespace
+  (``torch``, ``torch.nn.functional``, ``torch.Tensor``, ...) nothing is patched: the entry is
+  recorded and applied by a ``TorchFunctionMode`` that ampinit enters only for the duration of
+  an O1/O4 model's forward.
+
+The registry is process-wide by the nature of apex's API (register first, then
+``initialize``); it only ever grows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._tree import cast_floating, iter_tensors
+
+__all__ = ["half_function", "float_function", "promote_function", "register_half_function",
+           "register_float_function", "register_promote_function", "disable_casts"]
+
+HALF, FLOAT, PROMOTE = "half", "float", "promote"
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+# torch callables registered by the user -> cast policy.  Populated only through the
+# register_* functions below.
+_TORCH_POLICIES: Dict[Any, str] = {}
+
+
+def _target_dtype(policy: str, device_type: str, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+    if policy == HALF:
+        return torch.get_autocast_dtype(device_type)
+    if policy == FLOAT:
+        return torch.float32
+    floating = [t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
+    return functools.reduce(torch.promote_types, floating) if floating else None
+
+
+def _active_device_type(args: tuple, kwargs: dict) -> Optional[str]:
+    """The device type of the first tensor argument, if autocast is enabled for it."""
+    for tensor in iter_tensors((args, kwargs)):
+        device_type = tensor.device.type
+        return device_type if torch.is_autocast_enabled(device_type) else None
+    return None
+
+
+def _call_with_policy(fn: Callable, policy: str, args: tuple, kwargs: dict) -> Any:
+    device_type = _active_device_type(args, kwargs)
+    if device_type is None:
+        return fn(*args, **kwargs)
+    dtype = _target_dtype(policy, device_type, args, kwargs)
+    if dtype is not None:
+        args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+    with torch.autocast(device_type, enabled=False):
+        return fn(*args, **kwargs)
+
+
+def _decorator(policy: str) -> Callable[[Callable], Callable]:
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"{policy}_function decorates a callable; got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return _call_with_policy(fn, policy, args, kwargs)
+
+        wrapper.__ampinit_policy__ = policy
+        return wrapper
+
+    decorate.__name__ = f"{policy}_function"
+    decorate.__doc__ = (f"Decorator: under autocast, run the function with its floating-point "
+                        f"tensor arguments cast to the {policy} type and autocast off.")
+    return decorate
+
+
+half_function = _decorator(HALF)
+float_function = _decorator(FLOAT)
+promote_function = _decorator(PROMOTE)
+
+
+def _is_torch_namespace(module: Any) -> bool:
+    if module is torch.Tensor:
+        return True
+    name = getattr(module, "__name__", "")
+    return isinstance(module, types.ModuleType) and (name == "torch" or name.startswith("torch."))
+
+
+def _register(module: Any, name: str, policy: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string; got {type(name).__name__}")
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name!r} in module {module!r}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{module!r}.{name} is not callable")
+    if _is_torch_namespace(module):
+        _TORCH_POLICIES[fn] = policy
+        return
+    original = getattr(fn, "__wrapped__", fn) if hasattr(fn, "__ampinit_policy__") else fn
+    setattr(module, name, _decorator(policy)(original))
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Cast the arguments of ``module.name`` to the autocast (half) dtype under O1/O4."""
+    _register(module, name, HALF)
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Cast the arguments of ``module.name`` to float32 under O1/O4."""
+    _register(module, name, FLOAT)
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Cast the arguments of ``module.name`` to their widest floating dtype under O1/O4."""
+    _register(module, name, PROMOTE)
+
+
+class RegisteredCastMode(TorchFunctionMode):
+    """Applies the registered policies to ``torch`` callables inside one forward."""
+
+    def __init__(self, policies: Dict[Any, str]):
+        super().__init__()
+        self._policies = policies
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        policy = self._policies.get(func)
+        if policy is None:
+            return func(*args, **kwargs)
+        return _call_with_policy(func, policy, args, kwargs)
+
+
+def torch_policies() -> Dict[Any, str]:
+    """A snapshot of the registered ``torch`` callables (taken at ``initialize``)."""
+    return dict(_TORCH_POLICIES)
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Inside this block autocast is off on every device where it was on, so ops run in the
+    dtypes of their inputs (apex's ``amp.disable_casts()``)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            try:
+                enabled = torch.is_autocast_enabled(device_type)
+            except RuntimeError:  # a device type this build does not know
+                continue
+            if enabled:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

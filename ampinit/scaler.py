@@ -1,0 +1,146 @@
+"""Loss scaling: the scale and its counters live in device tensors.
+
+A :class:`LossScaler` never reads its own state on the host during training: scaling the
+loss, computing ``1/scale`` and advancing the dynamic state machine are all tensor ops.  Only
+:meth:`LossScaler.loss_scale` and :meth:`LossScaler.state_dict` synchronise (they return
+Python numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from . import ops
+
+__all__ = ["LossScaler"]
+
+_INT_STATE = ("unskipped", "hysteresis_left", "overflows")
+
+
+class LossScaler:
+    """Static or dynamic loss scale for one loss.
+
+    Args:
+        loss_scale: ``"dynamic"`` or a positive number (a static scale).
+        device: where the state tensors live (the model's device).
+        init_scale: first dynamic scale (apex: 2**16).
+        growth_factor, backoff_factor: multipliers on growth and on overflow (2.0, 0.5).
+        growth_interval: clean steps between growths (apex: 2000).
+        hysteresis: overflows tolerated before backing off (1: back off on every overflow).
+        min_loss_scale, max_loss_scale: floor and ceiling of the dynamic scale.
+
+    A static scaler keeps its scale but still flags non-finite gradients, so ampinit skips
+    those steps instead of writing NaN into the weights.
+    """
+
+    def __init__(self, loss_scale: Union[str, float] = "dynamic", *,
+                 device: Union[str, torch.device] = "cpu", init_scale: float = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, hysteresis: int = 1,
+                 min_loss_scale: Optional[float] = None, max_loss_scale: float = 2.0 ** 24):
+        self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic:
+            if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) \
+                    or not math.isfinite(loss_scale) or loss_scale <= 0:
+                raise ValueError(f"loss_scale must be 'dynamic' or a finite number > 0; got {loss_scale!r}")
+            init_scale = float(loss_scale)
+        if not (growth_factor >= 1.0 and 0.0 < backoff_factor <= 1.0):
+            raise ValueError("growth_factor must be >= 1 and backoff_factor in (0, 1]; got "
+                             f"{growth_factor} and {backoff_factor}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1; got {growth_interval!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1; got {hysteresis!r}")
+        # Below 2**-24 a float32 scale turns fp16 gradients into zeros or denormals; without a
+        # floor apex's scale fell to 1e-205 (apex #318).
+        self.min_loss_scale = 2.0 ** -24 if min_loss_scale is None else float(min_loss_scale)
+        self.max_loss_scale = float(max_loss_scale)
+        if not 0 < self.min_loss_scale <= self.max_loss_scale:
+            raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale; got "
+                             f"{self.min_loss_scale} and {self.max_loss_scale}")
+        if self.dynamic:
+            init_scale = min(max(float(init_scale), self.min_loss_scale), self.max_loss_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        device = torch.device(device)
+        self._scale = torch.full((1,), float(init_scale), dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((1,), dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
+        self._overflows = torch.zeros((1,), dtype=torch.int64, device=device)
+        self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._scale.device
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The current scale as a 1-element float32 device tensor (no sync)."""
+        return self._scale
+
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (apex API).  Synchronises with the device."""
+        return float(self._scale.item())
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss.float() * scale`` without leaving the device."""
+        return loss.float() * self._scale.to(loss.device).reshape(())
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1/scale`` as a float32 device tensor, rounded once from a float64 reciprocal."""
+        return self._scale.double().reciprocal().float()
+
+    def update(self) -> None:
+        """Advance the scale from ``found_inf`` (device side; a static scale only counts)."""
+        if self.dynamic:
+            growth, backoff, interval = self.growth_factor, self.backoff_factor, self.growth_interval
+        else:
+            growth, backoff, interval = 1.0, 1.0, 2 ** 31 - 1
+        ops.update_scale_(self._scale, self._growth_tracker, self._hysteresis_tracker,
+                          self._overflows, self.found_inf, growth_factor=growth,
+                          backoff_factor=backoff, growth_interval=interval,
+                          hysteresis=self.hysteresis, min_scale=self.min_loss_scale,
+                          max_scale=self.max_loss_scale if self.dynamic else math.inf)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """apex's ``{"loss_scale", "unskipped"}`` plus the rest of the state.  Synchronises."""
+        return {
+            "loss_scale": self.loss_scale(),
+            "unskipped": int(self._growth_tracker.item()),
+            "hysteresis_left": int(self._hysteresis_tracker.item()),
+            "overflows": int(self._overflows.item()),
+        }
+
+    @staticmethod
+    def check_state_dict(state: Any, name: str = "loss scaler state") -> None:
+        """Raise ``ValueError`` unless ``state`` is a loadable scaler state (apex's or ours)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{name} must be a dict with 'loss_scale' and 'unskipped'; got "
+                             f"{type(state).__name__}")
+        missing = {"loss_scale", "unskipped"} - state.keys()
+        if missing:
+            raise ValueError(f"{name} lacks {sorted(missing)}; it is not an apex/ampinit amp state")
+        scale = state["loss_scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"{name}: loss_scale must be a finite number > 0; got {scale!r}")
+        for key in _INT_STATE:
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: {key} must be an int >= 0; got {value!r}")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` output or from an apex checkpoint's scaler entry."""
+        self.check_state_dict(state)
+        self._scale.fill_(float(state["loss_scale"]))
+        self._growth_tracker.fill_(int(state["unskipped"]))
+        self._hysteresis_tracker.fill_(int(state.get("hysteresis_left", self.hysteresis)))
+        self._overflows.fill_(int(state.get("overflows", 0)))
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({kind}, device={self.device})"

@@ -1,0 +1,66 @@
+import pytest
+import torch
+from torch import nn
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3": torch.float16,
+             "O4": torch.bfloat16, "O5": torch.bfloat16}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("device") == "cuda":
+            item.add_marker(pytest.mark.cuda)
+
+
+class SmallNet(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Linear, with a buffer, small enough for many steps."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.fc1 = nn.Linear(8, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.fc2 = nn.Linear(width, 4)
+        self.register_buffer("offset", torch.linspace(-0.1, 0.1, 4))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x)))) + self.offset
+
+
+def make_setup(opt_level, device="cpu", seed=0, optimizer="adam", **kwargs):
+    import ampinit as amp
+    torch.manual_seed(seed)
+    model = SmallNet().to(device)
+    params = model.parameters()
+    opt = torch.optim.Adam(params, lr=1e-2, eps=1e-4) if optimizer == "adam" else \
+        torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    kwargs.setdefault("verbosity", 0)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, **kwargs)
+    return model, opt
+
+
+def batch(step, device="cpu", n=32):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randn(n, 4, generator=g)
+    return x.to(device), y.to(device)
+
+
+def train_step(model, opt, step, device="cpu", poison=False):
+    import ampinit as amp
+    x, y = batch(step, device)
+    opt.zero_grad()
+    loss = ((model(x).float() - y) ** 2).mean()
+    if poison:
+        loss = loss * float("inf")
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

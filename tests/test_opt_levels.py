@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from ampinit.opt_levels import OPT_LEVELS, resolve_config
+
+# apex's documented table (cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
+# master_weights, loss_scale), plus the bf16 levels.
+EXPECTED = {
+    "O0": (torch.float32, False, None, False, 1.0, None),
+    "O1": (None, True, None, False, "dynamic", torch.float16),
+    "O2": (torch.float16, False, True, True, "dynamic", None),
+    "O3": (torch.float16, False, False, False, 1.0, None),
+    "O4": (None, True, None, False, 1.0, torch.bfloat16),
+    "O5": (torch.bfloat16, False, True, True, 1.0, None),
+}
+
+
+@pytest.mark.parametrize("level", sorted(EXPECTED))
+def test_presets_match_apex_table(level):
+    c = resolve_config(level)
+    assert (c.cast_model_type, c.patch_torch_functions, c.keep_batchnorm_fp32, c.master_weights,
+            c.loss_scale, c.autocast_dtype) == EXPECTED[level]
+    assert c.max_loss_scale == 2.0 ** 24 and c.min_loss_scale is None
+    assert set(OPT_LEVELS) == set(EXPECTED)
+
+
+def test_apex_string_overrides():
+    c = resolve_config("O2", keep_batchnorm_fp32="False", master_weights="True", loss_scale="128.0")
+    assert c.keep_batchnorm_fp32 is False and c.master_weights is True and c.loss_scale == 128.0
+    assert resolve_config("O3", loss_scale="dynamic").loss_scale == "dynamic"
+    assert resolve_config("O2", cast_model_type="torch.bfloat16").cast_model_type == torch.bfloat16
+    assert resolve_config("O2", loss_scale=64).loss_scale == 64.0
+    assert resolve_config("O0", loss_scale="dynamic").dynamic_loss_scale
+
+
+@pytest.mark.parametrize("bad", ["01", "02", "05"])
+def test_zero_instead_of_letter_o(bad):
+    with pytest.raises(ValueError, match="letter O"):
+        resolve_config(bad)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(opt_level="O9"), "unknown opt_level"),
+    (dict(opt_level=2), "string"),
+    (dict(opt_level="O1", cast_model_type=torch.float16), "autocast"),
+    (dict(opt_level="O1", master_weights=True), "master_weights=True needs"),
+    (dict(opt_level="O0", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
+    (dict(opt_level="O2", loss_scale=0), "> 0"),
+    (dict(opt_level="O2", loss_scale="huge"), "loss_scale"),
+    (dict(opt_level="O2", loss_scale=float("inf")), "finite"),
+    (dict(opt_level="O2", keep_batchnorm_fp32="yes"), "keep_batchnorm_fp32"),
+    (dict(opt_level="O2", cast_model_type=torch.int8), "cast_model_type"),
+    (dict(opt_level="O2", min_loss_scale=8.0, max_loss_scale=4.0), "larger than"),
+    (dict(opt_level="O3", min_loss_scale=1.0), "dynamic"),
+    (dict(opt_level="O2", num_losses=0), "num_losses"),
+    (dict(opt_level="O2", verbosity=5), "verbosity"),
+    (dict(opt_level="O2", max_loss_scale=-1), "max_loss_scale"),
+])
+def test_contradictions_and_bad_values(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        resolve_config(**kwargs)
