@@ -1,0 +1,109 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit as amp
+from conftest import LEVELS, SmallNet, make_setup, train_step
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+CASES = {level: (level, {}) for level in LEVELS}
+CASES.update({
+    "O2-bf16-dynamic": ("O2", {"cast_model_type": "torch.bfloat16"}),
+    "O5-dynamic": ("O5", {"loss_scale": "dynamic"}),
+    "O3-sgd": ("O3", {"optimizer": "sgd"}),
+})
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    """All cases trained in one process, then resumed in a second, fresh one."""
+    directory = str(tmp_path_factory.mktemp("resume"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    for mode in ("train", "resume"):
+        subprocess.run([sys.executable, os.path.join(HERE, "resume_worker.py"), mode, directory,
+                        json.dumps(CASES)], check=True, env=env, timeout=600)
+    return directory
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_in_fresh_process_is_bitwise_identical(case, resumed_runs):
+    full = torch.load(os.path.join(resumed_runs, case + ".full"))
+    resumed = torch.load(os.path.join(resumed_runs, case + ".resumed"))
+    for key in ("params", "masters"):
+        assert len(full[key]) == len(resumed[key]) > 0
+        for a, b in zip(full[key], resumed[key]):
+            assert a.dtype == b.dtype and torch.equal(a, b), key
+    for name in full["model"]:
+        assert torch.equal(full["model"][name], resumed["model"][name]), name
+    assert full["amp"] == resumed["amp"]
+    assert full["amp"]["ampinit"]["optimizers"][0]["skipped_steps"] == 1  # the poisoned step
+
+
+def test_o2_state_dict_holds_fp32_masters_and_loads_into_plain_model():
+    model, opt = make_setup("O2")
+    for step in range(3):
+        train_step(model, opt, step)
+    state = model.state_dict()
+    masters = list(amp.master_params(opt))
+    assert state["fc1.weight"].dtype == torch.float32 and torch.equal(state["fc1.weight"], masters[0])
+    assert state["offset"].dtype == torch.float32 and state["bn.running_mean"].dtype == torch.float32
+    plain = SmallNet()
+    plain.load_state_dict(state)
+    assert torch.equal(plain.fc1.weight, masters[0])
+    assert model.fc1.weight.dtype == torch.float16  # the model itself stays cast
+
+
+def test_load_state_dict_sets_params_and_masters():
+    model, opt = make_setup("O2")
+    source = SmallNet()
+    with torch.no_grad():
+        source.fc1.weight.copy_(torch.randn_like(source.fc1.weight) / 3)
+    model.load_state_dict(source.state_dict())
+    master = opt.param_groups[0]["params"][0]
+    assert torch.equal(master, source.fc1.weight)  # full precision, not via fp16
+    assert torch.equal(model.fc1.weight, source.fc1.weight.half())
+    model.fc1.load_state_dict({"weight": source.fc1.weight * 2, "bias": source.fc1.bias})  # a submodule
+    assert torch.equal(master, source.fc1.weight * 2)
+
+
+def test_apex_checkpoint_loads():
+    model, opt = make_setup("O2", num_losses=2)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
+                         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    assert [s.loss_scale() for s in opt.amp.loss_scalers] == [1024.0, 8.0]
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 17
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}, "num_losses"),
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": -2.0, "unskipped": 0}}, "loss_scale"),
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0},
+      "ampinit": {"version": 99}}, "version"),
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0},
+      "ampinit": {"version": 1, "optimizers": []}}, "optimizer"),
+    ([1, 2], "dict"),
+])
+def test_mismatched_amp_state_leaves_everything_untouched(bad, match):
+    model, opt = make_setup("O2", num_losses=2)
+    train_step(model, opt, 0, poison=True)
+    before = opt.amp.state_dict()
+    with pytest.raises((ValueError, TypeError), match=match):
+        amp.load_state_dict(bad)
+    assert opt.amp.state_dict() == before
+
+
+def test_state_dict_refers_to_most_recent_and_handles_are_independent():
+    model_a, opt_a = make_setup("O2")
+    train_step(model_a, opt_a, 0, poison=True)
+    model_b, opt_b = make_setup("O1")
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 16  # b, the most recent
+    assert opt_a.amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+    assert amp.state_dict(destination={"x": 1})["x"] == 1
