@@ -64,6 +64,11 @@ class OptimizerMasters:
         self._fp32_values = fp32_values or {}
         self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
         self._stash: Dict[torch.Tensor, Optional[torch.Tensor]] = {}
+        # One FP32 gradient buffer per master, reused across steps: after
+        # zero_grad(set_to_none=True) a fresh allocation would be page-faulted in again on
+        # every step (glibc hands large blocks back to the OS).  Peak memory is unchanged:
+        # the master gradients exist at every step's peak anyway.
+        self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
 
     # -- construction -------------------------------------------------------------------
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
@@ -95,6 +100,7 @@ class OptimizerMasters:
             group["params"] = [model_of.get(p, p) for p in group["params"]]
         self._remap_state(model_of, None)
         self.master_of.clear()
+        self._grad_buffers.clear()
 
     def _remap_state(self, mapping: Dict[torch.Tensor, torch.Tensor], dtype: Optional[torch.dtype]) -> None:
         state = self.optimizer.state
@@ -150,7 +156,7 @@ class OptimizerMasters:
                     add_out.append(stashed)
                     model.grad = stashed
             elif master.grad is None:
-                master.grad = torch.empty_like(master)
+                master.grad = self._grad_buffer(master)
                 write_in.append(grad)
                 write_out.append(master.grad)
             else:
@@ -163,6 +169,12 @@ class OptimizerMasters:
             ops.accumulate_unscaled_(add_in, add_out, inv_scale, found_inf)
         self.pending_scaled = False
         self.unscaled_since_step = True
+
+    def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
+        buffer = self._grad_buffers.get(master)
+        if buffer is None:
+            buffer = self._grad_buffers[master] = torch.empty_like(master)
+        return buffer
 
     def _unscale_sparse(self, model, master, grad, inv_scale, found_inf) -> None:
         unscaled = ops.unscale_sparse(grad, inv_scale, found_inf, master.dtype)

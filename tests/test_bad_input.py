@@ -1,0 +1,132 @@
+"""Every public entry point rejects bad input with a clear error and changes nothing."""
+import pytest
+import torch
+from torch import nn
+
+import ampinit as amp
+from conftest import SmallNet, batch, make_setup
+
+
+def snapshot(model, opt):
+    handle = getattr(opt, "amp", None)
+    return {
+        "tensors": [(n, t.dtype, t.detach().clone()) for n, t in
+                    list(model.named_parameters()) + list(model.named_buffers())],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "hooks": (len(model._forward_hooks), len(model._forward_pre_hooks)),
+        "opt_type": type(opt),
+        "groups": [[id(p) for p in g["params"]] for g in opt.param_groups],
+        "opt_state": {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for p, s in opt.state.items()},
+        "amp": None if handle is None else handle.state_dict(),
+    }
+
+
+def assert_same(a, b):
+    assert [(n, d) for n, d, _ in a["tensors"]] == [(n, d) for n, d, _ in b["tensors"]]
+    assert all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a["tensors"], b["tensors"]))
+    assert len(a["grads"]) == len(b["grads"]) and all(
+        (x is None and y is None) or torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    for key in ("hooks", "opt_type", "groups", "amp"):
+        assert a[key] == b[key], key
+    assert a["opt_state"].keys() == b["opt_state"].keys()
+
+
+def fresh():
+    torch.manual_seed(0)
+    model = SmallNet()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+INITIALIZE_CASES = [
+    ("model is not a module", lambda m, o: amp.initialize("model", o), TypeError, "Module"),
+    ("empty model list", lambda m, o: amp.initialize([], o), ValueError, "empty"),
+    ("model twice", lambda m, o: amp.initialize([m, m], o), ValueError, "twice"),
+    ("optimizer twice", lambda m, o: amp.initialize(m, [o, o]), ValueError, "twice"),
+    ("optimizer wrong type", lambda m, o: amp.initialize(m, "adam"), TypeError, "Optimizer"),
+    ("opt level with zero", lambda m, o: amp.initialize(m, o, opt_level="02"), ValueError, "letter O"),
+    ("contradiction", lambda m, o: amp.initialize(m, o, opt_level="O1", master_weights=True), ValueError, "master"),
+    ("wrapped in DataParallel", lambda m, o: amp.initialize(nn.DataParallel(m), o), TypeError, "wrap"),
+    ("param in two optimizers",
+     lambda m, o: amp.initialize(m, [o, torch.optim.SGD([m.fc1.weight], lr=1)]), ValueError, "two"),
+    ("model on two devices",
+     lambda m, o: (m.fc2.to("meta"), amp.initialize(m, o))[1], ValueError, "several devices"),
+    ("optimizer param elsewhere",
+     lambda m, o: amp.initialize(m, [o, torch.optim.SGD([nn.Parameter(torch.ones(2, device="meta"))], lr=1)]),
+     ValueError, "meta"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, match", INITIALIZE_CASES, ids=[c[0] for c in INITIALIZE_CASES])
+def test_initialize_rejects(name, call, exc, match):
+    model, opt = fresh()
+    if name == "model on two devices":
+        model, opt = fresh()
+        before = None
+    else:
+        before = snapshot(model, opt)
+    with pytest.raises(exc, match=match):
+        call(model, opt)
+    if before is not None:
+        assert_same(before, snapshot(model, opt))
+    assert type(opt) is torch.optim.SGD and not model._forward_pre_hooks
+
+
+def _trained():
+    model, opt = make_setup("O2", optimizer="sgd", num_losses=2)
+    x, y = batch(0)
+    with amp.scale_loss(((model(x) - y) ** 2).mean(), opt) as scaled:
+        scaled.backward()
+    return model, opt
+
+
+SCALE_LOSS_CASES = [
+    ("loss not a tensor", lambda m, o, other, loss: amp.scale_loss(1.0, o), TypeError, "floating"),
+    ("integer loss", lambda m, o, other, loss: amp.scale_loss(torch.tensor(3), o), TypeError, "floating"),
+    ("foreign optimizer", lambda m, o, other, loss: amp.scale_loss(loss,
+                                                             torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1)),
+     RuntimeError, "initialize"),
+    ("optimizers of two initializations", lambda m, o, other, loss: amp.scale_loss(loss, [o, other]),
+     ValueError, "different initialize"),
+    ("loss_id out of range", lambda m, o, other, loss: amp.scale_loss(loss, o, loss_id=2),
+     ValueError, "loss_id"),
+    ("loss_id not int", lambda m, o, other, loss: amp.scale_loss(loss, o, loss_id="0"),
+     ValueError, "loss_id"),
+    ("delay_unscale not bool", lambda m, o, other, loss: amp.scale_loss(loss, o, delay_unscale=1),
+     TypeError, "delay_unscale"),
+    ("no optimizers", lambda m, o, other, loss: amp.scale_loss(loss, []), ValueError, "empty"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, match", SCALE_LOSS_CASES, ids=[c[0] for c in SCALE_LOSS_CASES])
+def test_scale_loss_rejects(name, call, exc, match):
+    model, opt = _trained()
+    _, other = make_setup("O2", seed=1)
+    loss = model(batch(0)[0]).sum()  # before the snapshot: forward updates BatchNorm stats
+    before = snapshot(model, opt)
+    masters_before = [p.grad.clone() for p in amp.master_params(opt)]
+    with pytest.raises(exc, match=match):
+        with call(model, opt, other, loss):
+            pass
+    assert_same(before, snapshot(model, opt))
+    assert all(torch.equal(a, p.grad) for a, p in zip(masters_before, amp.master_params(opt)))
+
+
+def test_step_with_closure_rejected_and_nothing_changes():
+    model, opt = _trained()
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    assert_same(before, snapshot(model, opt))
+
+
+def test_misc_entry_points():
+    with pytest.raises(TypeError):
+        list(amp.master_params("opt"))
+    model, opt = make_setup("O2")
+    with pytest.raises(TypeError):
+        amp.state_dict(destination=[])
+    with pytest.raises(TypeError, match="dict"):
+        opt.add_param_group([nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="loss_id"):
+        opt.amp.loss_scale(5)

@@ -1,0 +1,107 @@
+"""Many initializations, ending one, weak references, logging."""
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit as amp
+from conftest import SmallNet, batch, make_setup, train_step
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_end_restores_fp32_model_with_master_values(level):
+    model, opt = make_setup(level, optimizer="sgd")
+    for step in range(3):
+        train_step(model, opt, step)
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    amp.end(opt)
+    assert type(opt) is torch.optim.SGD and not hasattr(opt, "amp")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    if level in ("O2", "O5"):
+        assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters))
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert model(batch(0)[0]).dtype == torch.float32
+    # plain fp32 training continues, and the model can be initialized again
+    x, y = batch(1)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    model2, opt2 = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    train_step(model2, opt2, 2)
+    handle = opt2.amp
+    amp.end(model2)
+    handle.end()  # idempotent on the handle
+    with pytest.raises(RuntimeError, match="not initialized"):
+        amp.end(model2)  # the model no longer has an initialization to end
+
+def test_double_initialize_is_rejected_until_ended():
+    model, opt = make_setup("O2")
+    with pytest.raises(RuntimeError, match="already initialized"):
+        amp.initialize(model, opt_level="O1")
+    opt2 = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        amp.initialize(nn.Linear(2, 2), opt, opt_level="O1")
+    assert type(opt2) is torch.optim.SGD
+
+
+def test_lr_scheduler_survives_end():
+    model, opt = make_setup("O2", optimizer="sgd")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train_step(model, opt, 0)
+    sched.step()
+    amp.end(opt)
+    x, y = batch(1)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()  # the scheduler's wrapper of the old bound step must still work
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)
+
+
+def test_many_initializations_are_independent_and_freed():
+    refs = []
+    finals = []
+    for fold in range(20):
+        model, opt = make_setup("O2" if fold % 2 else "O1", seed=fold)
+        for step in range(3):
+            train_step(model, opt, step, poison=(fold == 5 and step == 1))
+        finals.append((model, opt))
+        refs.append(weakref.ref(opt.amp))
+    assert finals[5][1].amp.skipped_steps == 1
+    assert all(o.amp.skipped_steps == 0 for i, (_, o) in enumerate(finals) if i != 5)
+    for model, opt in finals[:3]:   # earlier models keep working
+        train_step(model, opt, 7)
+    del finals, model, opt
+    gc.collect()
+    assert all(r() is None for r in refs)  # nothing in ampinit keeps them alive
+    with pytest.raises(RuntimeError, match="no live"):
+        amp.state_dict()
+
+
+def test_handle_of_errors():
+    with pytest.raises(TypeError):
+        amp.handle_of(3)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        amp.handle_of(nn.Linear(2, 2))
+
+
+def test_overflow_logging_is_rate_limited(caplog):
+    model, opt = make_setup("O2", optimizer="sgd", verbosity=1)
+    with caplog.at_level(logging.INFO, logger="ampinit"):
+        for step in range(40):
+            train_step(model, opt, step, poison=True)
+    overflow = [r for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    # the first 8, then skips 16 and 32
+    assert len(overflow) == 10 and opt.amp.skipped_steps == 40
+    assert overflow[8].getMessage().endswith("(16 skipped so far); loss scale now 1")
+    assert all(r.levelno == logging.WARNING for r in overflow)
+
+
+def test_verbosity_zero_is_silent(caplog):
+    with caplog.at_level(logging.DEBUG, logger="ampinit"):
+        model, opt = make_setup("O2", optimizer="sgd", verbosity=0)
+        train_step(model, opt, 0, poison=True)
+    assert not caplog.records

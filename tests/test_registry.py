@@ -1,0 +1,91 @@
+import types
+
+import torch
+from torch import nn
+
+import ampinit as amp
+
+
+def _user_module():
+    mod = types.ModuleType("my_ext")
+    mod.fused = lambda a, b: (a.dtype, b.dtype)
+    mod.plain = lambda a: a.dtype
+    return mod
+
+
+class Calls(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.lin(x), x)
+
+
+def test_register_on_user_module_casts_only_under_autocast():
+    mod = _user_module()
+    amp.register_float_function(mod, "fused")
+    x = torch.randn(2, 4)
+    assert mod.fused(x.half(), x) == (torch.float16, torch.float32)  # outside autocast: untouched
+    model = amp.initialize(Calls(lambda h, x: mod.fused(h, x)), opt_level="O1", verbosity=0)
+    assert model(x) == (torch.float32, torch.float32)
+    amp.register_half_function(mod, "fused")  # re-registering replaces the policy
+    assert model(x) == (torch.float16, torch.float16)
+    model4 = amp.initialize(Calls(lambda h, x: mod.fused(h, x)), opt_level="O4", verbosity=0)
+    assert model4(x) == (torch.bfloat16, torch.bfloat16)  # "half" is the autocast dtype
+
+
+def test_promote_function():
+    mod = _user_module()
+    amp.register_promote_function(mod, "fused")
+    x = torch.randn(2, 4)
+    model = amp.initialize(Calls(lambda h, x: mod.fused(h, x)), opt_level="O1", verbosity=0)
+    assert model(x) == (torch.float32, torch.float32)  # fp16 linear output promoted to x's fp32
+
+
+def test_register_on_torch_namespace_patches_nothing():
+    original = torch.special.expit
+    amp.register_half_function(torch.special, "expit")
+    assert torch.special.expit is original
+    model = amp.initialize(Calls(lambda h, x: torch.special.expit(x)), opt_level="O1", verbosity=0)
+    assert model(torch.randn(2, 4)).dtype == torch.float16
+    assert torch.special.expit(torch.randn(2)).dtype == torch.float32  # outside the forward
+
+
+def test_decorators():
+    @amp.float_function
+    def softmax32(t):
+        return t.dtype, torch.is_autocast_enabled("cpu")
+
+    @amp.half_function
+    def half(t):
+        return t.dtype
+
+    model = amp.initialize(Calls(lambda h, x: (softmax32(h), half(x))), opt_level="O1", verbosity=0)
+    (dtype, autocast_on), half_dtype = model(torch.randn(2, 4))
+    assert dtype == torch.float32 and not autocast_on and half_dtype == torch.float16
+    assert softmax32.__name__ == "softmax32"
+
+
+def test_disable_casts():
+    def body(h, x):
+        with amp.disable_casts():
+            inner = (x @ x.t()).dtype
+        return inner, (x @ x.t()).dtype
+
+    model = amp.initialize(Calls(body), opt_level="O1", verbosity=0)
+    assert model(torch.randn(2, 4)) == (torch.float32, torch.float16)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_registration_errors():
+    mod = _user_module()
+    for call, exc in [(lambda: amp.register_half_function(mod, "missing"), ValueError),
+                      (lambda: amp.register_half_function(mod, 3), TypeError),
+                      (lambda: amp.half_function(3), TypeError)]:
+        try:
+            call()
+        except exc:
+            continue
+        raise AssertionError("no error")
