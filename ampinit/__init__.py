@@ -4,8 +4,15 @@ from ._version import __version__
 from .frontend import end, handle_of, initialize, load_state_dict, master_params, scale_loss, state_dict
 from .handle import AmpHandle
 from .opt_levels import OPT_LEVELS, AmpConfig
-from .registry import (disable_casts, float_function, half_function, promote_function,
-                       register_float_function, register_half_function, register_promote_function)
+from .registry import (
+                       disable_casts,
+                       float_function,
+                       half_function,
+                       promote_function,
+                       register_float_function,
+                       register_half_function,
+                       register_promote_function,
+)
 from .scaler import LossScaler
 
 __all__ = [

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,17 +36,19 @@ class _DisabledInitialization:
         self.config = config
 
 
-# The most recent initialize call (apex's module-level API refers to it): a weak reference
-# to an AmpHandle, or the stand-in of a disabled call.
-_most_recent: Callable[[], Any] = lambda: None
+# The most recent initialize call, which apex's module-level API refers to: a weak reference
+# to an AmpHandle (it never keeps a model alive), or the stand-in of a disabled call.
+_most_recent_slot: Any = None
+
+
+def _most_recent() -> Any:
+    slot = _most_recent_slot
+    return slot() if isinstance(slot, weakref.ref) else slot
 
 
 def _remember(handle: Any) -> None:
-    global _most_recent
-    if isinstance(handle, AmpHandle):
-        _most_recent = weakref.ref(handle)
-    else:
-        _most_recent = lambda: handle  # noqa: E731 (holds no model)
+    global _most_recent_slot
+    _most_recent_slot = weakref.ref(handle) if isinstance(handle, AmpHandle) else handle
 
 
 def _as_list(value: Any, kind: type, name: str) -> Tuple[List[Any], bool]:

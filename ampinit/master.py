@@ -95,7 +95,7 @@ class OptimizerMasters:
         with torch.no_grad():
             for model, master in self.master_of.items():
                 model.data = master.data
-                model.grad = None if master.grad is None else master.grad
+                model.grad = master.grad
         for group in self.optimizer.param_groups:
             group["params"] = [model_of.get(p, p) for p in group["params"]]
         self._remap_state(model_of, None)

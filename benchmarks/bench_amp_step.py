@@ -119,8 +119,8 @@ def main():
           f"python {platform.python_version()}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")
     print(f"{n} tensors x {numel} elements, median of {repeats} runs, CPU\n")
-    print(f"| case | torch (ms) | ampinit (ms) | torch / ampinit |")
-    print(f"|---|---|---|---|")
+    print("| case | torch (ms) | ampinit (ms) | torch / ampinit |")
+    print("|---|---|---|---|")
     rows = [("fp32 params (O1-style) vs GradScaler", *bench_fp32(n, numel, repeats)),
             ("fp16 model + fp32 masters (O2) vs hand-written torch", *bench_o2(n, numel, repeats, torch.float16)),
             ("bf16 model + fp32 masters (O5) vs hand-written torch", *bench_o2(n, numel, repeats, torch.bfloat16))]

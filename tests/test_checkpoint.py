@@ -5,10 +5,9 @@ import sys
 
 import pytest
 import torch
-from torch import nn
+from conftest import LEVELS, SmallNet, make_setup, train_step
 
 import ampinit as amp
-from conftest import LEVELS, SmallNet, make_setup, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,7 +83,8 @@ def test_apex_checkpoint_loads():
 
 @pytest.mark.parametrize("bad, match", [
     ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}, "num_losses"),
-    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": -2.0, "unskipped": 0}}, "loss_scale"),
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+      "loss_scaler1": {"loss_scale": -2.0, "unskipped": 0}}, "loss_scale"),
     ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0},
       "ampinit": {"version": 99}}, "version"),
     ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0},

@@ -2,10 +2,10 @@ import collections
 
 import pytest
 import torch
+from conftest import LEVELS, LOW_DTYPE, SmallNet, batch, make_setup, train_step
 from torch import nn
 
 import ampinit as amp
-from conftest import LEVELS, LOW_DTYPE, SmallNet, batch, make_setup, train_step
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -330,3 +330,16 @@ def test_scale_loss_has_no_host_sync_and_step_has_one(monkeypatch):
     assert calls == []
     opt.step()
     assert len(calls) == 1
+
+
+def test_failed_backward_restores_earlier_gradients():
+    model, opt = make_setup("O1", optimizer="sgd", num_losses=2)
+    x, y = batch(0)
+    with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt, loss_id=0) as scaled:
+        scaled.backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ZeroDivisionError):
+        with amp.scale_loss(model(x).sum(), opt, loss_id=1):
+            raise ZeroDivisionError  # e.g. the backward of the second loss failed
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
+    assert opt.amp.loss_scalers[1].loss_scale() == 2.0 ** 16  # no update for the failed loss
