@@ -19,6 +19,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import distributed
 from . import optimizer as amp_optimizer
 from .handle import AmpHandle, handle_of_model
 from .opt_levels import AmpConfig, resolve_config
@@ -74,9 +75,18 @@ def _model_device(models: Sequence[nn.Module]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _check_models(models: Sequence[nn.Module]) -> None:
+def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     for model in models:
+        if config.casts_model and any(distributed.is_sharded(p) for p in model.parameters()):
+            raise ValueError(
+                f"opt_level={config.opt_level!r} casts the model, but its parameters are sharded "
+                "by FSDP2 (DTensor), which keeps its own FP32 storage and casts for compute "
+                "itself.  Let FSDP2 do the casting and ampinit the loss scaling: "
+                "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
+                "reduce_dtype=torch.float32)) and then ampinit.initialize(model, optimizer, "
+                "opt_level='O0', loss_scale='dynamic'); FSDP2's sharded FP32 parameters are the "
+                "master weights.  O1/O4 (autocast) also work on a sharded model")
         if isinstance(model, wrappers):
             raise TypeError(f"the model is wrapped in {type(model).__name__}: call "
                             "ampinit.initialize on the plain model first, then wrap the "
@@ -141,7 +151,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if not config.enabled:
         _remember(_DisabledInitialization(config))
         return models if optimizers is None else (models, optimizers)
-    _check_models(model_list)
+    _check_models(model_list, config)
     device = _model_device(model_list)
     _check_optimizers(opt_list, device)
 

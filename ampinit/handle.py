@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
+from . import distributed
 from . import optimizer as amp_optimizer
 from .casting import ModelCasting
 from .master import OptimizerMasters
@@ -26,6 +27,7 @@ logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
+DEFAULT_MAX_SKIPS_AT_FLOOR = 16
 
 
 def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
@@ -43,6 +45,10 @@ class OptimizerBinding:
         self.index = index
         self.steps = 0
         self.skipped_steps = 0
+        self.last_overflow_step: Optional[int] = None
+        self.last_overflow_params: List[str] = []
+        self.skips_at_floor = 0      # consecutive skips leaving every scaler involved at its floor
+        self.loss_ids_since_step: set = set()
 
     def check_ready_for_step(self) -> None:
         if self.masters.pending_scaled:
@@ -59,17 +65,52 @@ class OptimizerBinding:
                         "backward inside `with ampinit.scale_loss(loss, optimizer) as "
                         "scaled_loss: scaled_loss.backward()`")
 
+    def nonfinite_param_names(self) -> List[str]:
+        """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
+        over the gradients and one sync: called only when a step is skipped."""
+        names, flags = [], []
+        for model, master in self.masters.pairs():
+            grad = master.grad if master.grad is not None else model.grad
+            if grad is None:
+                continue
+            grad = distributed.local(grad)  # FSDP2: this rank's shard
+            values = grad._values() if grad.is_sparse else grad
+            names.append(self.handle.param_name(model))
+            flags.append(torch.logical_not(torch.isfinite(values).all()))
+        if not flags:
+            return []
+        return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
+
     def skip_step(self) -> None:
+        """Skip this step: record which parameters overflowed, drop every gradient, and
+        raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
+        self.last_overflow_step = self.steps
+        self.last_overflow_params = self.nonfinite_param_names()
         self.steps += 1
         self.skipped_steps += 1
+        at_floor = all(self.handle.loss_scalers[i].at_floor() for i in self.loss_ids_since_step)
+        self.skips_at_floor = self.skips_at_floor + 1 if at_floor else 0
         self.masters.drop_all_grads()
-        self.masters.end_step()
+        self._end_step()
         self.handle.report_skip(self)
+        limit = self.handle.max_skips_at_floor
+        if limit is not None and self.skips_at_floor >= limit:
+            raise RuntimeError(
+                f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped "
+                "with the loss scale at its floor: these gradients are not overflowing, they "
+                "are inf/NaN at any scale, which points at a bug (NaN in the data, the loss or "
+                f"the model).  Non-finite gradients in: {', '.join(self.last_overflow_params) or 'none found'}. "
+                "To allow more such steps, set optimizer.amp.max_skips_at_floor (None disables this check)")
 
     def after_step(self) -> None:
         self.steps += 1
+        self.skips_at_floor = 0
         self.masters.copy_masters_to_model()
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.masters.end_step()
+        self.loss_ids_since_step.clear()
 
     def add_param_group(self, param_group: dict, base_add: Callable[[dict], None]) -> None:
         if not isinstance(param_group, dict):
@@ -106,6 +147,15 @@ class AmpHandle:
         self.models = list(models)
         self.optimizers = list(optimizers)
         self.ended = False
+        # step() raises after this many consecutive skipped steps that leave every loss scale
+        # involved at its floor (a static scale always is): an inf/NaN that survives the
+        # smallest scale is a bug, not an overflow.  None disables the check.  Settable:
+        # ``optimizer.amp.max_skips_at_floor = 100``.
+        self.max_skips_at_floor: Optional[int] = DEFAULT_MAX_SKIPS_AT_FLOOR
+        self._shard_groups = distributed.shard_groups(
+            p for m in self.models for p in m.parameters())
+        self._param_names = {p: (f"{name}" if len(models) == 1 else f"models[{i}].{name}")
+                             for i, m in enumerate(models) for name, p in m.named_parameters()}
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -146,15 +196,35 @@ class AmpHandle:
             return
         scales = ", ".join(f"{s.loss_scale():g}" for s in self.loss_scalers)
         tail = " (further messages only at powers of two)" if n == _RATE_LIMIT_AFTER else ""
-        self.log(1, f"Gradient overflow: skipped step {binding.steps} of optimizer "
-                    f"{binding.index} ({n} skipped so far); loss scale now {scales}{tail}",
-                 logging.WARNING)
+        where = ", ".join(binding.last_overflow_params[:8]) or "no parameter"
+        if len(binding.last_overflow_params) > 8:
+            where += f" and {len(binding.last_overflow_params) - 8} more"
+        self.log(1, f"Gradient overflow: skipped step {binding.last_overflow_step} of optimizer "
+                    f"{binding.index} ({n} skipped so far; inf/NaN in {where}); loss scale now "
+                    f"{scales}{tail}", logging.WARNING)
 
     # -- introspection ----------------------------------------------------------------------------
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for inf/NaN gradients, over all optimizers of this handle."""
         return sum(b.skipped_steps for b in self._bindings)
+
+    @property
+    def last_overflow_step(self) -> Optional[int]:
+        """Index (0-based, counting skipped steps) of the most recent skipped step, or None."""
+        steps = [b.last_overflow_step for b in self._bindings if b.last_overflow_step is not None]
+        return max(steps) if steps else None
+
+    @property
+    def last_overflow_params(self) -> List[str]:
+        """Names of the parameters with inf/NaN gradients at the most recent skipped step."""
+        latest = max(self._bindings, key=lambda b: -1 if b.last_overflow_step is None else b.last_overflow_step,
+                     default=None)
+        return list(latest.last_overflow_params) if latest is not None else []
+
+    def param_name(self, param: torch.Tensor) -> str:
+        """The model's name for ``param`` (``models[i].`` prefixed with several models)."""
+        return self._param_names.get(param, f"<unnamed {tuple(param.shape)}>")
 
     def loss_scale(self, loss_id: int = 0) -> float:
         """Current scale of loss ``loss_id``.  Synchronises with the device."""
@@ -208,8 +278,11 @@ class AmpHandle:
         inv_scale = scaler.inv_scale()
         for binding in bindings:
             binding.masters.unscale_grads(inv_scale, scaler.found_inf)
+        if self._shard_groups:  # each rank checked only its shard: agree before deciding
+            distributed.all_reduce_found_inf_(scaler.found_inf, self._shard_groups)
         for binding in bindings:
             torch.maximum(binding.masters.found_inf, scaler.found_inf, out=binding.masters.found_inf)
+            binding.loss_ids_since_step.add(loss_id)
         scaler.update()
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -220,7 +293,9 @@ class AmpHandle:
         state["ampinit"] = {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
-            "optimizers": [{"steps": b.steps, "skipped_steps": b.skipped_steps} for b in self._bindings],
+            "optimizers": [{"steps": b.steps, "skipped_steps": b.skipped_steps,
+                            "last_overflow_step": b.last_overflow_step,
+                            "skips_at_floor": b.skips_at_floor} for b in self._bindings],
         }
         return state
 
@@ -259,6 +334,8 @@ class AmpHandle:
         for binding, counts in zip(self._bindings, counters or []):
             binding.steps = int(counts.get("steps", 0))
             binding.skipped_steps = int(counts.get("skipped_steps", 0))
+            binding.last_overflow_step = counts.get("last_overflow_step")
+            binding.skips_at_floor = int(counts.get("skips_at_floor", 0))
 
     def _master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         for binding in self._bindings:

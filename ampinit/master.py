@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .distributed import local
 
 __all__ = ["OptimizerMasters", "LOW_PRECISION"]
 
@@ -143,6 +144,7 @@ class OptimizerMasters:
             grad = model.grad
             if grad is None:
                 continue
+            grad = local(grad)  # sharded (FSDP2): this rank's shard; ranks agree via all-reduce
             if grad.is_sparse:
                 self._unscale_sparse(model, master, grad, inv_scale, found_inf)
                 continue

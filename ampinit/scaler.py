@@ -87,6 +87,10 @@ class LossScaler:
         """The current scale as a Python float (apex API).  Synchronises with the device."""
         return float(self._scale.item())
 
+    def at_floor(self) -> bool:
+        """True if the scale cannot go lower: static, or at ``min_loss_scale``.  Synchronises."""
+        return not self.dynamic or self.loss_scale() <= self.min_loss_scale
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss.float() * scale`` without leaving the device."""
         return loss.float() * self._scale.to(loss.device).reshape(())

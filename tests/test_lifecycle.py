@@ -96,7 +96,9 @@ def test_overflow_logging_is_rate_limited(caplog):
     overflow = [r for r in caplog.records if "Gradient overflow" in r.getMessage()]
     # the first 8, then skips 16 and 32
     assert len(overflow) == 10 and opt.amp.skipped_steps == 40
-    assert overflow[8].getMessage().endswith("(16 skipped so far); loss scale now 1")
+    message = overflow[8].getMessage()
+    assert "(16 skipped so far; inf/NaN in fc1.weight, fc1.bias, bn.weight" in message, message
+    assert message.endswith("loss scale now 1")
     assert all(r.levelno == logging.WARNING for r in overflow)
 
 

@@ -1,0 +1,130 @@
+"""torch.distributed on CPU over gloo, two processes spawned by the test.
+
+DDP in apex's order (initialize, then wrap): an overflow on one rank reaches every rank
+through the gradient all-reduce, so all ranks skip the same step and stay identical.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import ampinit as amp
+
+WORLD = 2
+POISON_STEP, POISON_RANK, STEPS = 4, 1, 10
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_worker(rank, port, level, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)  # same initial weights on every rank
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        data = torch.Generator().manual_seed(100 + rank)  # different data per rank
+        skipped_at = []
+        for step in range(STEPS):
+            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+            loss = ((ddp(x).float() - y) ** 2).mean()
+            if step == POISON_STEP and rank == POISON_RANK:
+                loss = loss * float("inf")
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            before = opt.amp.skipped_steps
+            opt.step()
+            if opt.amp.skipped_steps != before:
+                skipped_at.append(step)
+        torch.save({"params": [p.detach() for p in model.parameters()],
+                    "masters": [p.detach() for p in amp.master_params(opt)],
+                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_ddp_overflow_on_one_rank_skips_everywhere(level, tmp_path):
+    mp.spawn(ddp_worker, args=(free_port(), level, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for result in results:
+        assert result["skipped_at"] == [POISON_STEP]
+    assert results[0]["scale"] == results[1]["scale"] == (2.0 ** 15 if level != "O5" else 1.0)
+    for key in ("params", "masters"):
+        for a, b in zip(results[0][key], results[1][key]):
+            assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def fsdp_worker(rank, port, case, out_dir):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) \
+            if case == "fsdp-fp16-O0-dynamic" else MixedPrecisionPolicy()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if case == "O2-rejected":
+            try:
+                amp.initialize(model, opt, opt_level="O2", verbosity=0)
+            except ValueError as error:
+                torch.save({"error": str(error)}, os.path.join(out_dir, f"rank{rank}.pt"))
+            return
+        kwargs = dict(opt_level="O1") if case == "O1" else dict(opt_level="O0", loss_scale="dynamic")
+        model, opt = amp.initialize(model, opt, verbosity=0, **kwargs)
+        data = torch.Generator().manual_seed(100 + rank)
+        skipped_at = []
+        for step in range(STEPS):
+            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+            opt.zero_grad()
+            with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+                if step == POISON_STEP and rank == POISON_RANK:
+                    # inf in this rank's shard only: the other rank's shard is clean
+                    model[2].weight.grad.to_local()[0, 0] = float("inf")
+            before = opt.amp.skipped_steps
+            opt.step()
+            if opt.amp.skipped_steps != before:
+                skipped_at.append(step)
+        torch.save({"params": [p.full_tensor().detach() for p in model.parameters()],
+                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at,
+                    "overflow_params": opt.amp.last_overflow_params},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["O1", "fsdp-fp16-O0-dynamic"])
+def test_fsdp2_sharded_overflow_on_one_shard_skips_everywhere(case, tmp_path):
+    mp.spawn(fsdp_worker, args=(free_port(), case, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for result in results:
+        assert result["skipped_at"] == [POISON_STEP]
+        assert result["scale"] == 2.0 ** 15
+    assert results[POISON_RANK]["overflow_params"] == ["2.weight"]  # found in the poisoned shard
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_fsdp2_casting_levels_are_rejected_with_the_recipe(tmp_path):
+    mp.spawn(fsdp_worker, args=(free_port(), "O2-rejected", str(tmp_path)), nprocs=WORLD, join=True)
+    error = torch.load(tmp_path / "rank0.pt")["error"]
+    assert "MixedPrecisionPolicy" in error and "loss_scale='dynamic'" in error

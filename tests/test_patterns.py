@@ -1,0 +1,222 @@
+"""Training patterns at O1, O2 and O5: accumulation, clipping, gradient penalty, sparse
+gradients, several models/losses; overflow diagnostics and persistent NaN."""
+import pytest
+import torch
+from torch import nn
+
+import ampinit as amp
+from conftest import batch
+
+LEVELS = ["O1", "O2", "O5"]
+TOL = {"O1": dict(rtol=2e-2, atol=2e-3), "O2": dict(rtol=2e-2, atol=2e-3), "O5": dict(rtol=6e-2, atol=1e-2)}
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def setup(level, seed=0, lr=0.05, **kwargs):
+    model = mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+
+
+def fp32_grads(x, y, seed=0):
+    ref = mlp(seed)
+    ((ref(x) - y) ** 2).mean().backward()
+    return [p.grad for p in ref.parameters()]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_accumulation_equals_one_big_batch(level):
+    x, y = batch(0, n=64)
+    model, opt = setup(level)
+    k = 4
+    for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        loss = ((model(xs).float() - ys) ** 2).mean() / k
+        with amp.scale_loss(loss, opt, delay_unscale=i < k - 1) as scaled:
+            scaled.backward()
+    big_model, big_opt = setup(level)
+    with amp.scale_loss(((big_model(x).float() - y) ** 2).mean(), big_opt) as scaled:
+        scaled.backward()
+    reference = fp32_grads(x, y)
+    for acc, big, ref in zip(amp.master_params(opt), amp.master_params(big_opt), reference):
+        assert acc.grad.dtype == torch.float32
+        torch.testing.assert_close(acc.grad, big.grad, **TOL[level])
+        torch.testing.assert_close(acc.grad, ref, **TOL[level])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_clipping_unscaled_master_grads(level):
+    x, y = batch(1)
+    model, opt = setup(level)
+    with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+        scaled.backward()
+    reference_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in fp32_grads(x, y)]))
+    norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=0.1)
+    torch.testing.assert_close(norm, reference_norm, rtol=3e-2, atol=0)  # unscaled, not * 65536
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in amp.master_params(opt)]))
+    torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-4, atol=0)
+    opt.step()
+    # an overflow is still skipped when the clipping saw the inf
+    with amp.scale_loss(((model(x).float() - y) ** 2).mean() * float("inf"), opt) as scaled:
+        scaled.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=0.1)
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    opt.step()
+    assert opt.amp.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_gradient_penalty_double_backward(level):
+    """torch's AMP gradient-penalty recipe: autograd.grad of the scaled loss with
+    create_graph=True, unscale by hand with the handle's scale tensor, add the penalty."""
+    x, y = batch(2)
+    model, opt = setup(level)
+    params = [p for p in model.parameters()]
+    scale = opt.amp.loss_scalers[0].scale_tensor
+    loss = ((model(x).float() - y) ** 2).mean()
+    scaled_grads = torch.autograd.grad(opt.amp.loss_scalers[0].scale(loss), params, create_graph=True)
+    penalty = sum((g.float() / scale).pow(2).sum() for g in scaled_grads)
+    with amp.scale_loss(loss + penalty, opt) as scaled:
+        scaled.backward()
+
+    ref = mlp()
+    ref_loss = ((ref(x) - y) ** 2).mean()
+    ref_grads = torch.autograd.grad(ref_loss, list(ref.parameters()), create_graph=True)
+    (ref_loss + sum(g.pow(2).sum() for g in ref_grads)).backward()
+    for master, p in zip(amp.master_params(opt), ref.parameters()):
+        torch.testing.assert_close(master.grad, p.grad, rtol=5e-2, atol=5e-3)
+    opt.step()
+    assert opt.amp.skipped_steps == 0
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("optimizer", ["sparse_adam", "sgd"])
+def test_sparse_embedding_gradients(level, optimizer):
+    torch.manual_seed(0)
+    model = Bag()
+    if optimizer == "sparse_adam":
+        opts = [torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.05),
+                torch.optim.Adam(model.head.parameters(), lr=0.05, eps=1e-4)]
+    else:
+        opts = [torch.optim.SGD(model.parameters(), lr=0.5)]
+    model, opts = amp.initialize(model, opts, opt_level=level, verbosity=0)
+    ids = torch.randint(0, 50, (64, 5), generator=torch.Generator().manual_seed(0))
+    target = torch.randn(64, 1, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(30):
+        for o in opts:
+            o.zero_grad()
+        loss = ((model(ids).float() - target) ** 2).mean()
+        if step == 10:
+            loss = loss * float("nan")
+        with amp.scale_loss(loss, opts) as scaled:
+            scaled.backward()
+        if level != "O1" and step == 0:
+            master = next(amp.master_params(opts[0]))
+            assert master.grad.is_sparse and master.grad.dtype == torch.float32
+        for o in opts:
+            o.step()
+        losses.append(loss.item())
+    assert opts[0].amp.skipped_steps == len(opts)  # every optimizer skipped the NaN step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_dcgan_pattern_three_losses(level):
+    """apex's DCGAN example: D on real, D on fake, G through D, each with its own scaler."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
+    [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level=level,
+                                                 num_losses=3, verbosity=0)
+    bce = nn.BCEWithLogitsLoss()
+    real = torch.randn(32, 8) * 0.5 + 1.0
+    for step in range(40):
+        noise = torch.randn(32, 4)
+        opt_d.zero_grad()
+        err_real = bce(disc(real).float(), torch.ones(32, 1))
+        with amp.scale_loss(err_real, opt_d, loss_id=0) as scaled:
+            scaled.backward()
+        fake = gen(noise)
+        err_fake = bce(disc(fake.detach()).float(), torch.zeros(32, 1))
+        if step == 5:
+            err_fake = err_fake * float("inf")
+        with amp.scale_loss(err_fake, opt_d, loss_id=1) as scaled:
+            scaled.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        err_g = bce(disc(fake).float(), torch.ones(32, 1))
+        with amp.scale_loss(err_g, opt_g, loss_id=2) as scaled:
+            scaled.backward()
+        opt_g.step()
+    handle = opt_g.amp
+    assert handle.binding(opt_d).skipped_steps == 1 and handle.binding(opt_g).skipped_steps == 0
+    if level in ("O1", "O2"):  # dynamic: only loss 1 backed off
+        assert [s.loss_scale() for s in handle.loss_scalers] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 16]
+    assert all(torch.isfinite(p).all() for m in (gen, disc) for p in m.parameters())
+
+
+def test_diagnostics_name_the_nonfinite_parameters():
+    model, opt = setup("O2")
+    poison = {"on": False}
+    model[2].weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
+    x, y = batch(0)
+    for step in range(4):
+        poison["on"] = step == 2
+        opt.zero_grad()
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert opt.amp.last_overflow_step == 2 and opt.amp.last_overflow_params == ["2.weight"]
+    assert opt.amp.skipped_steps == 1
+    state = opt.amp.state_dict()["ampinit"]["optimizers"][0]
+    assert state["last_overflow_step"] == 2
+
+
+@pytest.mark.parametrize("level, kwargs, expected_skips", [
+    # 15 skips halve 2**16 down to 2; the 16th lands on the floor of 1.0 and is the first of the
+    # 16 consecutive skips that leave the scale at its floor
+    ("O2", {"min_loss_scale": 1.0}, 15 + 16),
+    ("O5", {}, 16),                              # a static scale is always at its floor
+])
+def test_persistent_nan_raises_naming_parameters(level, kwargs, expected_skips):
+    model, opt = setup(level, **kwargs)
+    model[0].bias.register_hook(lambda g: g * float("nan"))
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match=r"floor.*Non-finite gradients in: 0\.bias"):
+        for _ in range(100):
+            opt.zero_grad()
+            with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    assert opt.amp.skipped_steps == expected_skips
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_persistent_nan_check_can_be_disabled():
+    model, opt = setup("O5")
+    opt.amp.max_skips_at_floor = None
+    model[0].bias.register_hook(lambda g: g * float("nan"))
+    x, y = batch(0)
+    for _ in range(40):
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert opt.amp.skipped_steps == 40
