@@ -9,9 +9,9 @@ import os
 import sys
 
 import torch
-from conftest import make_setup, train_step
 
 import ampinit as amp
+from conftest import make_setup, train_step
 
 POISONED = {3}  # an overflow before the cut
 CUT, TOTAL = 6, 12

@@ -1,10 +1,10 @@
 """Every public entry point rejects bad input with a clear error and changes nothing."""
 import pytest
 import torch
-from conftest import SmallNet, batch, make_setup
 from torch import nn
 
 import ampinit as amp
+from conftest import SmallNet, batch, make_setup
 
 
 def snapshot(model, opt):

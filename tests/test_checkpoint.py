@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-from conftest import LEVELS, SmallNet, make_setup, train_step
 
 import ampinit as amp
+from conftest import LEVELS, SmallNet, make_setup, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

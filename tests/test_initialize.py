@@ -2,10 +2,10 @@ import collections
 
 import pytest
 import torch
-from conftest import LEVELS, LOW_DTYPE, SmallNet, batch, make_setup, train_step
 from torch import nn
 
 import ampinit as amp
+from conftest import LEVELS, LOW_DTYPE, SmallNet, batch, make_setup, train_step
 
 
 @pytest.mark.parametrize("level", LEVELS)

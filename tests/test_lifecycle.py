@@ -5,10 +5,10 @@ import weakref
 
 import pytest
 import torch
-from conftest import batch, make_setup, train_step
 from torch import nn
 
 import ampinit as amp
+from conftest import batch, make_setup, train_step
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])

@@ -34,7 +34,7 @@ def soak(level, steps, seed=0):
     poisoned, skipped, recovered = set(), set(), []
     data = torch.Generator().manual_seed(seed)
     w_true = torch.randn(16, 4, generator=data)
-    last_fault, watch = None, None
+    watch = None
     for step in range(steps):
         x = torch.randn(64, 16, generator=data)
         y = x @ w_true
@@ -51,10 +51,10 @@ def soak(level, steps, seed=0):
         opt.step()
         if kind:
             poisoned.add(step)
-            last_fault, watch = step, step + 3 * RECOVERY_INTERVAL
+            watch = step + 3 * RECOVERY_INTERVAL  # only reached if no fault comes in between
         if handle.skipped_steps != before:
             skipped.add(step)
-        if step == watch:  # no fault since last_fault: the scale is back at its ceiling
+        if step == watch:  # no fault since the last one: the scale is back at its ceiling
             recovered.append(handle.loss_scale() == (CEILING if handle.loss_scalers[0].dynamic else 1.0))
             watch = None
         for p in list(model.parameters()) + list(amp.master_params(opt)):
