@@ -29,7 +29,9 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         return type(value)(*(cast_floating(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
+    if type(value) is dict:  # a comprehension, which torch.compile traces without a graph break
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    if isinstance(value, dict):  # OrderedDict, defaultdict, ...: keep the type and its extras
         out = copy.copy(value)
         for key, item in value.items():
             out[key] = cast_floating(item, dtype)

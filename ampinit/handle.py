@@ -182,6 +182,10 @@ class AmpHandle:
         for model in self.models:
             model.__dict__[_MODEL_ATTR] = self
         self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
+        self.log(2, f"ampinit: {sum(len(c.original_dtypes) for c in self._castings)} tensors cast, "
+                    f"{sum(len(b.masters.master_of) for b in self._bindings)} FP32 masters, "
+                    f"{len(self.loss_scalers)} loss scaler(s), "
+                    f"{len(self._shard_groups)} shard group(s) for found_inf agreement", logging.DEBUG)
 
     # -- logging --------------------------------------------------------------------------------
     def log(self, min_verbosity: int, message: str, level: int = logging.INFO) -> None:

@@ -130,3 +130,24 @@ def test_misc_entry_points():
         opt.add_param_group([nn.Parameter(torch.ones(2))])
     with pytest.raises(ValueError, match="loss_id"):
         opt.amp.loss_scale(5)
+
+
+def test_wrong_call_order():
+    model, opt = make_setup("O2")
+    loss = ((model(batch(0)[0]) - batch(0)[1]) ** 2).mean()
+    amp.end(opt)
+    with pytest.raises(RuntimeError, match="initialize"):
+        with amp.scale_loss(loss, opt):
+            pass
+    with pytest.raises(RuntimeError, match="not initialized"):
+        amp.end(opt)
+
+
+def test_module_level_calls_before_any_initialize_in_a_fresh_process():
+    import subprocess
+    import sys
+    code = ("import ampinit as amp\n"
+            "for call in (amp.state_dict, lambda: amp.load_state_dict({}), amp.end):\n"
+            "    try:\n        call()\n    except RuntimeError as e:\n        print('RuntimeError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.count("RuntimeError: no live ampinit initialization: call ampinit.initialize first") == 3

@@ -107,3 +107,13 @@ def test_verbosity_zero_is_silent(caplog):
         model, opt = make_setup("O2", optimizer="sgd", verbosity=0)
         train_step(model, opt, 0, poison=True)
     assert not caplog.records
+
+
+def test_verbosity_levels(caplog):
+    with caplog.at_level(logging.DEBUG, logger="ampinit"):
+        make_setup("O2", verbosity=1)
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        caplog.clear()
+        make_setup("O2", verbosity=2)
+        assert [r.levelno for r in caplog.records] == [logging.INFO, logging.DEBUG]
+        assert "FP32 masters" in caplog.records[1].getMessage()

@@ -1,0 +1,63 @@
+"""Distributed data parallel with ampinit on CPU, launched by torchrun.
+
+    torchrun --nproc_per_node 2 examples/ddp_torchrun.py
+    torchrun --nproc_per_node 2 examples/ddp_torchrun.py --opt-level O5 --steps 100
+
+apex's order: ``amp.initialize`` first, then wrap the returned model in
+``DistributedDataParallel``.  Rank 1 plants an overflow at ``--overflow-step``: the gradient
+all-reduce carries it to every rank, so all ranks skip that step and stay identical.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ampinit as amp
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--opt-level", default="O2", choices=list(amp.OPT_LEVELS))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--overflow-step", type=int, default=20)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
+    ddp_model = nn.parallel.DistributedDataParallel(model)
+
+    data = torch.Generator().manual_seed(1234 + rank)  # each rank its own shard of data
+    w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
+    for step in range(1, args.steps + 1):
+        x = torch.randn(64, 32, generator=data)
+        loss = ((ddp_model(x).float() - x @ w_true) ** 2).mean()
+        if step == args.overflow_step and rank == 1:
+            loss = loss * float("inf")
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if rank == 0 and (step % 10 == 0 or step == args.steps):
+            print(f"step {step:4d} | loss {loss.item():8.4f} | loss scale {optimizer.amp.loss_scale():8g} "
+                  f"| skipped steps {optimizer.amp.skipped_steps}", flush=True)
+
+    # every rank holds the same weights: compare a checksum across ranks
+    checksum = torch.stack([p.detach().float().sum() for p in model.parameters()]).sum().reshape(1)
+    gathered = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(gathered, checksum)
+    if rank == 0:
+        same = all(torch.equal(g, gathered[0]) for g in gathered)
+        print(f"{world} ranks, weights identical across ranks: {same}; "
+              f"skipped {optimizer.amp.skipped_steps} step(s)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
