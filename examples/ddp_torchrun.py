@@ -56,6 +56,7 @@ def main():
         same = all(torch.equal(g, gathered[0]) for g in gathered)
         print(f"{world} ranks, weights identical across ranks: {same}; "
               f"skipped {optimizer.amp.skipped_steps} step(s)", flush=True)
+    dist.barrier()  # leave together: a rank tearing down gloo while its peer is mid-collective aborts
     dist.destroy_process_group()
 
 

@@ -52,6 +52,7 @@ def ddp_worker(rank, port, level, out_dir):
                     "masters": [p.detach() for p in amp.master_params(opt)],
                     "scale": opt.amp.loss_scale(), "skipped_at": skipped_at},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
     finally:
         dist.destroy_process_group()
 
@@ -87,6 +88,7 @@ def fsdp_worker(rank, port, case, out_dir):
                 amp.initialize(model, opt, opt_level="O2", verbosity=0)
             except ValueError as error:
                 torch.save({"error": str(error)}, os.path.join(out_dir, f"rank{rank}.pt"))
+            dist.barrier()
             return
         kwargs = dict(opt_level="O1") if case == "O1" else dict(opt_level="O0", loss_scale="dynamic")
         model, opt = amp.initialize(model, opt, verbosity=0, **kwargs)
@@ -108,6 +110,7 @@ def fsdp_worker(rank, port, case, out_dir):
                     "scale": opt.amp.loss_scale(), "skipped_at": skipped_at,
                     "overflow_params": opt.amp.last_overflow_params},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
     finally:
         dist.destroy_process_group()
 
