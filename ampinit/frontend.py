@@ -114,10 +114,17 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
                                      "parameters after moving the model")
 
 
-def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
-               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
-               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
-               min_loss_scale=None, max_loss_scale=2. ** 24):
+def initialize(models: Union[nn.Module, Sequence[nn.Module]],
+               optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None] = None,
+               enabled: Union[bool, str] = True, opt_level: str = "O1",
+               cast_model_type: Union[torch.dtype, str, None] = None,
+               patch_torch_functions: Union[bool, str, None] = None,
+               keep_batchnorm_fp32: Union[bool, str, None] = None,
+               master_weights: Union[bool, str, None] = None,
+               loss_scale: Union[float, str, None] = None,
+               cast_model_outputs: Union[torch.dtype, str, None] = None,
+               num_losses: int = 1, verbosity: int = 1,
+               min_loss_scale: Optional[float] = None, max_loss_scale: float = 2. ** 24) -> Any:
     """Prepare models and optimizers for mixed precision (apex's signature and levels).
 
     Args:

@@ -3,6 +3,7 @@
     python examples/quickstart.py                    # O2: fp16 model, FP32 master weights
     python examples/quickstart.py --opt-level O5     # bf16 model, FP32 master weights
     python examples/quickstart.py --opt-level O1     # fp16 autocast inside forward only
+    python examples/quickstart.py --plot quickstart.png   # loss and loss scale over steps
 
 A small MLP classifies points of three interleaved spirals (synthetic, made here).  At
 ``--overflow-step`` the loss is multiplied by inf on purpose, to show what a real fp16
@@ -11,6 +12,7 @@ The script is written exactly as an apex user would write it, with ``import ampi
 """
 
 import argparse
+import logging
 import math
 import time
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 import ampinit as amp
+from ampinit.monitor import TrainingMonitor
 
 
 def spirals(n_per_class: int, generator: torch.Generator):
@@ -39,8 +42,11 @@ def main():
     parser.add_argument("--overflow-step", type=int, default=100,
                         help="step whose loss is made inf on purpose (-1: none)")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--plot", metavar="PNG", help="write loss and loss scale over steps")
+    parser.add_argument("--no-bar", action="store_true", help="plain progress lines only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
@@ -58,6 +64,7 @@ def main():
 
     print(f"ampinit {amp.__version__}, torch {torch.__version__}, opt_level {args.opt_level}, "
           f"device {device}, params {next(model.parameters()).dtype}")
+    monitor = TrainingMonitor(optimizer, total=args.steps, desc=args.opt_level, show=not args.no_bar)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         index = torch.randint(len(x_train), (args.batch_size,), generator=generator)
@@ -70,16 +77,21 @@ def main():
             scaled_loss.backward()
         optimizer.step()
         scheduler.step()
-        if step % args.log_every == 0 or step == args.steps:
+        monitor.update(loss)
+        if args.no_bar and (step % args.log_every == 0 or step == args.steps):
             handle = optimizer.amp
             print(f"step {step:4d}/{args.steps} | loss {loss.item():8.4f} | "
                   f"loss scale {handle.loss_scale():8g} | skipped steps {handle.skipped_steps}")
+    monitor.close()
 
     model.eval()
     with torch.no_grad():
         accuracy = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
     print(f"test accuracy {accuracy:.1%} after {args.steps} steps in "
-          f"{time.perf_counter() - start:.1f}s; skipped {optimizer.amp.skipped_steps} step(s)")
+          f"{time.perf_counter() - start:.1f}s; skipped {optimizer.amp.skipped_steps} step(s) "
+          f"(at step {', '.join(map(str, monitor.skipped_steps)) or '-'})")
+    if args.plot:
+        print(f"plot written to {monitor.save_plot(args.plot)}")
 
 
 if __name__ == "__main__":
