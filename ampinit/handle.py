@@ -1,8 +1,8 @@
 """``AmpHandle``: everything one ``initialize`` call set up, owned by objects the user holds.
 
 The handle is reachable from the optimizer (``optimizer.amp``) and from the model (through
-its hooks), never from module-level state, so any number of initializations coexist and a
-dropped model frees its handle.  :meth:`AmpHandle.end` undoes an initialization.
+its hooks); module-level state holds at most a weak reference to the latest one, so any
+number of initializations coexist and a dropped model frees its handle.  :meth:`AmpHandle.end` undoes an initialization.
 """
 
 from __future__ import annotations
@@ -161,9 +161,12 @@ class AmpHandle:
                                        autocast_dtype=config.autocast_dtype,
                                        cast_model_outputs=config.cast_model_outputs)
                           for m in self.models]
-        # Masters start from the FP32 values, captured before the model is cast.
-        fp32_values = {t: t.detach().clone() for c in self._castings for t in c.original_dtypes
-                       if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
+        # Masters start from the FP32 values.  Casting gives each parameter new storage and
+        # leaves the old FP32 storage untouched, so views of it taken now become the masters:
+        # no copy, and no moment with two FP32 copies of the model in memory.
+        fp32_values = {t: t.detach() for c in self._castings for t in c.original_dtypes
+                       if isinstance(t, nn.Parameter) and t.dtype == torch.float32} \
+            if config.master_weights else {}
         for casting in self._castings:
             casting.apply()
         self._bindings: List[OptimizerBinding] = []

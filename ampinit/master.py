@@ -34,8 +34,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _make_master(param: torch.Tensor, fp32_value: Optional[torch.Tensor]) -> nn.Parameter:
-    source = param if fp32_value is None else fp32_value
-    return nn.Parameter(source.detach().to(torch.float32, copy=True), requires_grad=param.requires_grad)
+    """An FP32 master for ``param``: ``fp32_value`` itself when given (the parameter's FP32
+    storage from before the cast, no longer shared with the model), else a new copy."""
+    value = param.detach().to(torch.float32, copy=True) if fp32_value is None else fp32_value
+    return nn.Parameter(value, requires_grad=param.requires_grad)
 
 
 def _cast_state_value(key: str, value, dtype: torch.dtype):
@@ -51,8 +53,9 @@ class OptimizerMasters:
         optimizer: the user's optimizer; its ``param_groups`` and ``state`` are rewired by
             :meth:`install` and restored by :meth:`uninstall`.
         use_masters: keep FP32 masters for low-precision parameters.
-        fp32_values: FP32 values of parameters captured before the model was cast, so the
-            masters start from the full-precision weights rather than their fp16 rounding.
+        fp32_values: FP32 storage of parameters from before the model was cast, taken over
+            as masters, so they start from the full-precision weights rather than their fp16
+            rounding.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, use_masters: bool, device: torch.device,

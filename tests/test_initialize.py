@@ -53,6 +53,15 @@ def test_masters_start_from_fp32_values():
     assert torch.equal(opt.param_groups[0]["params"][0], reference)  # not its fp16 rounding
 
 
+def test_masters_take_over_the_fp32_storage_without_copies():
+    torch.manual_seed(0)
+    model = SmallNet()
+    storage = model.fc1.weight.data_ptr()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert opt.param_groups[0]["params"][0].data_ptr() == storage != model.fc1.weight.data_ptr()
+
+
 def test_o2_gradients_match_fp32_reference():
     torch.manual_seed(0)
     ref = SmallNet()
