@@ -112,6 +112,10 @@ class OptimizerBinding:
         self.masters.end_step()
         self.loss_ids_since_step.clear()
 
+    def discard_step(self) -> None:
+        """Forget the overflow state of gradients that zero_grad() just discarded."""
+        self._end_step()
+
     def add_param_group(self, param_group: dict, base_add: Callable[[dict], None]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}")

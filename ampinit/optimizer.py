@@ -62,11 +62,14 @@ class _AmpOptimizerMixin:
     step.hooked = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the masters and of the model parameters behind them."""
+        """Clear the gradients of the masters and of the model parameters behind them, and
+        the overflow flag of the step they belonged to (an abandoned backward must not skip
+        the next step)."""
         super().zero_grad(set_to_none=set_to_none)
         binding = binding_of(self)
         if binding is not None:
             binding.masters.zero_model_grads(set_to_none)
+            binding.discard_step()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; its low-precision parameters get FP32 masters like the others."""

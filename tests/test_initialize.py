@@ -352,3 +352,17 @@ def test_failed_backward_restores_earlier_gradients():
             raise ZeroDivisionError  # e.g. the backward of the second loss failed
     assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
     assert opt.amp.loss_scalers[1].loss_scale() == 2.0 ** 16  # no update for the failed loss
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_zero_grad_discards_the_overflow_of_an_abandoned_backward(level):
+    model, opt = make_setup(level, optimizer="sgd")
+    x, y = batch(0)
+    with amp.scale_loss(((model(x).float() - y) ** 2).mean() * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.zero_grad()  # the iteration is abandoned: its gradients and its overflow with it
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    train_step(model, opt, 1)  # zero_grad, clean backward, step
+    assert opt.amp.skipped_steps == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+    assert opt.amp.loss_scale() == 2.0 ** 15  # the overflow did happen: the scale backed off
