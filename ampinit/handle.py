@@ -131,7 +131,7 @@ class OptimizerBinding:
             base_add(wrapped)
         except Exception:
             for param in params:
-                self.masters.master_of.pop(param, None)
+                self.masters.forget(param)
             raise
 
 

@@ -67,6 +67,7 @@ class OptimizerMasters:
         self.pending_scaled = False        # a delay_unscale backward left scaled gradients
         self._fp32_values = fp32_values or {}
         self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self._model_of: Dict[torch.Tensor, torch.Tensor] = {}  # inverse of master_of, kept in step
         self._stash: Dict[torch.Tensor, Optional[torch.Tensor]] = {}
         # One FP32 gradient buffer per master, reused across steps: after
         # zero_grad(set_to_none=True) a fresh allocation would be page-faulted in again on
@@ -80,7 +81,14 @@ class OptimizerMasters:
             return param
         master = _make_master(param, self._fp32_values.get(param))
         self.master_of[param] = master
+        self._model_of[master] = param
         return master
+
+    def forget(self, param: torch.Tensor) -> None:
+        """Drop the master of ``param`` (an ``add_param_group`` that failed)."""
+        master = self.master_of.pop(param, None)
+        if master is not None:
+            self._model_of.pop(master, None)
 
     def wrap_params(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """The list that replaces ``params`` in a param group (masters in their places)."""
@@ -90,12 +98,13 @@ class OptimizerMasters:
         """Put masters into ``param_groups`` and move existing optimizer state onto them."""
         for group in self.optimizer.param_groups:
             group["params"] = self.wrap_params(group["params"])
-        self._remap_state({model: master for model, master in self.master_of.items()}, torch.float32)
+        self._fp32_values = {}  # now owned by the masters; later groups copy their own
+        self._remap_state(self.master_of, torch.float32)
 
     def uninstall(self) -> None:
         """Undo :meth:`install`: model parameters get the master values (in FP32) and their
         places back; state follows them."""
-        model_of = {master: model for model, master in self.master_of.items()}
+        model_of = dict(self._model_of)
         with torch.no_grad():
             for model, master in self.master_of.items():
                 model.data = master.data
@@ -104,6 +113,7 @@ class OptimizerMasters:
             group["params"] = [model_of.get(p, p) for p in group["params"]]
         self._remap_state(model_of, None)
         self.master_of.clear()
+        self._model_of.clear()
         self._grad_buffers.clear()
 
     def _remap_state(self, mapping: Dict[torch.Tensor, torch.Tensor], dtype: Optional[torch.dtype]) -> None:
@@ -116,7 +126,7 @@ class OptimizerMasters:
     # -- views ------------------------------------------------------------------------------
     def pairs(self) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
         """``(model_param, master)`` for every parameter of the optimizer."""
-        model_of = {master: model for model, master in self.master_of.items()}
+        model_of = self._model_of
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 yield model_of.get(param, param), param
