@@ -1,0 +1,81 @@
+// Argument checks and dense-layout handling shared by the CPU and CUDA implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+namespace ampinit {
+
+inline bool is_supported_float(c10::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+}
+
+// inv_scale / found_inf: 1-element float32 tensors on the tensors' device.
+inline void check_flag(const char* op, const char* name, const at::Tensor& flag, const at::Device& device) {
+  TORCH_CHECK(flag.numel() == 1 && flag.scalar_type() == at::kFloat && flag.device() == device,
+              "ampinit.", op, ": ", name, " must be a 1-element float32 tensor on ", device,
+              "; got ", flag.numel(), " element(s) of ", flag.scalar_type(), " on ", flag.device());
+}
+
+inline void check_same_length(const char* op, const char* name_a, size_t a, const char* name_b, size_t b) {
+  TORCH_CHECK(a == b, "ampinit.", op, ": ", name_a, " and ", name_b, " must have the same length; got ",
+              a, " and ", b);
+}
+
+// Every tensor of one row (the i-th entries of each list): same device and numel, a float dtype
+// the kernels handle.
+inline void check_row(const char* op, size_t index, const std::vector<at::Tensor>& row,
+                      const at::Device& device) {
+  for (const auto& tensor : row) {
+    TORCH_CHECK(tensor.defined(), "ampinit.", op, ": tensor ", index, " is undefined");
+    TORCH_CHECK(tensor.device() == device, "ampinit.", op, ": tensor ", index, " is on ", tensor.device(),
+                "; every tensor of one call must be on ", device);
+    TORCH_CHECK(is_supported_float(tensor.scalar_type()), "ampinit.", op, ": tensor ", index, " is ",
+                tensor.scalar_type(), "; the kernels take float32, float16 and bfloat16 (use the torch "
+                "fallback, AMPINIT_DISABLE_EXT=1, for other dtypes)");
+    TORCH_CHECK(!tensor.is_sparse(), "ampinit.", op, ": tensor ", index, " is sparse; ampinit.ops.unscale_sparse "
+                "handles sparse gradients");
+    TORCH_CHECK(tensor.numel() == row[0].numel(), "ampinit.", op, ": tensors at index ", index,
+                " have different numbers of elements (", row[0].numel(), " and ", tensor.numel(), ")");
+  }
+}
+
+// The tensors of one call, row by row, laid out so that element k of every tensor in a row is
+// at data_ptr() + k.  Rows whose tensors are dense with identical strides are used in place;
+// other rows run on contiguous copies, and the copies of written tensors are copied back by
+// finish().
+class DenseRows {
+ public:
+  // lists[l][i]: tensor i of list l; written[l]: whether the op writes list l.
+  DenseRows(std::vector<std::vector<at::Tensor>> lists, std::vector<bool> written)
+      : lists_(std::move(lists)) {
+    const size_t rows = lists_.empty() ? 0 : lists_[0].size();
+    for (size_t i = 0; i < rows; ++i) {
+      bool direct = true;
+      for (const auto& list : lists_) {
+        const auto& t = list[i];
+        direct = direct && t.is_non_overlapping_and_dense() && t.strides() == lists_[0][i].strides();
+      }
+      if (direct) continue;
+      for (size_t l = 0; l < lists_.size(); ++l) {
+        at::Tensor original = lists_[l][i];
+        lists_[l][i] = original.contiguous();
+        if (written[l] && !lists_[l][i].is_same(original)) write_back_.emplace_back(original, lists_[l][i]);
+      }
+    }
+  }
+  const std::vector<at::Tensor>& list(size_t l) const { return lists_[l]; }
+  void finish() {
+    for (auto& [original, copy] : write_back_) original.copy_(copy);
+  }
+
+ private:
+  std::vector<std::vector<at::Tensor>> lists_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+inline std::vector<at::Tensor> to_vector(at::TensorList list) { return list.vec(); }
+
+}  // namespace ampinit

@@ -1,0 +1,60 @@
+// The CPU kernels as a table of plain functions over one contiguous range of elements.
+//
+// kernels.h is compiled once per CPU capability (kernels_default.cpp, and kernels_x86_avx2.cpp
+// with -mavx2 -mfma -mf16c); ops_cpu.cpp picks a table at run time from ATen's own
+// capability detection, splits the tensors into chunks and runs the chunks in parallel.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace ampinit::cpu {
+
+// Hyper-parameters of one fused-optimizer call, with the per-tensor bias corrections.
+struct AdamParams {
+  float beta2, eps, weight_decay;
+  float one_minus_beta1, one_minus_beta2;  // computed in double, like torch's Python scalars
+  float decay;                             // 1 - lr * weight_decay (AdamW)
+  bool decoupled_weight_decay;             // AdamW: decay the weights, not the gradient
+  float inv_scale;
+  float step_size;         // lr / (1 - beta1^step), or lr without bias correction
+  float bias_correction2_sqrt;
+};
+
+struct SgdParams {
+  float lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov;
+  bool first_step;  // the momentum buffer starts as the gradient itself
+  float inv_scale;
+};
+
+struct KernelTable {
+  const char* name;
+  // y = x * inv_scale.  Returns true if a scaled value is inf/NaN.
+  bool (*unscale)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
+                  float inv_scale);
+  // y = out_weight * y + x * inv_scale.  Returns true if a new contribution is inf/NaN.
+  bool (*accumulate)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
+                     float inv_scale, float out_weight);
+  // y = x, converted with round-to-nearest-even.
+  void (*copy)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n);
+  // true if x holds an inf/NaN.
+  bool (*check)(c10::ScalarType in, const void* x, int64_t n);
+  // Sum of squares, accumulated in double.
+  double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);
+  // One Adam/AdamW update of FP32 params and state; `model` (may be null) gets the new params.
+  void (*adam)(const AdamParams& p, c10::ScalarType grad_type, c10::ScalarType model_type,
+               float* param, const void* grad, float* exp_avg, float* exp_avg_sq, void* model,
+               int64_t n);
+  // One SGD update; `momentum_buffer` is null without momentum.
+  void (*sgd)(const SgdParams& p, c10::ScalarType grad_type, c10::ScalarType model_type,
+              float* param, const void* grad, float* momentum_buffer, void* model, int64_t n);
+};
+
+const KernelTable& default_kernels();
+#ifdef AMPINIT_AVX2_KERNELS
+const KernelTable& avx2_kernels();
+#endif
+
+}  // namespace ampinit::cpu

@@ -1,0 +1,349 @@
+// CPU implementations of the ampinit ops: argument checks, the split of many tensors into
+// chunks that at::parallel_for spreads over the threads, and the choice of kernel table.
+//
+// On the CPU the flags live in host memory, so "skip inside the kernel" is a read of
+// found_inf before the update; nothing here waits on anything.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../common.h"
+#include "kernel_table.h"
+
+namespace ampinit::cpu {
+namespace {
+
+// ATen's own detection (it honours ATEN_CPU_CAPABILITY), read once.
+const KernelTable& kernels() {
+  static const KernelTable& table = [] () -> const KernelTable& {
+#ifdef AMPINIT_AVX2_KERNELS
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX2" || capability == "AVX512") return avx2_kernels();
+#endif
+    return default_kernels();
+  }();
+  return table;
+}
+
+constexpr int64_t kChunk = 32768;
+
+struct Chunk {
+  size_t tensor;
+  int64_t begin, size;
+};
+
+std::vector<Chunk> chunks_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<Chunk> chunks;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t n = tensors[t].numel();
+    for (int64_t begin = 0; begin < n; begin += kChunk) chunks.push_back({t, begin, std::min(kChunk, n - begin)});
+  }
+  return chunks;
+}
+
+// Runs fn(chunk) for every chunk, in parallel; fn returns whether the chunk held inf/NaN.
+// Returns, per tensor, whether any of its chunks did.
+template <typename Fn>
+std::vector<char> for_each_chunk(const std::vector<at::Tensor>& tensors, const Fn& fn) {
+  const auto chunks = chunks_of(tensors);
+  std::vector<std::atomic<char>> bad(tensors.size());
+  for (auto& flag : bad) flag.store(0, std::memory_order_relaxed);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      if (fn(chunks[c])) bad[chunks[c].tensor].store(1, std::memory_order_relaxed);
+    }
+  });
+  std::vector<char> result(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) result[t] = bad[t].load(std::memory_order_relaxed);
+  return result;
+}
+
+template <typename T = char>
+T* at_offset(const at::Tensor& tensor, int64_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(tensor.data_ptr()) + offset * tensor.element_size());
+}
+
+void record_flags(const std::vector<char>& bad, const at::Tensor& found_inf,
+                  const std::optional<at::Tensor>& per_tensor) {
+  const bool any = std::any_of(bad.begin(), bad.end(), [](char b) { return b != 0; });
+  if (any) found_inf.data_ptr<float>()[0] = 1.0f;
+  if (per_tensor.has_value()) {
+    float* flags = per_tensor->data_ptr<float>();
+    for (size_t t = 0; t < bad.size(); ++t) {
+      if (bad[t]) flags[t] = 1.0f;
+    }
+  }
+}
+
+void check_per_tensor(const char* op, const std::optional<at::Tensor>& per_tensor, size_t n) {
+  if (!per_tensor.has_value()) return;
+  TORCH_CHECK(per_tensor->scalar_type() == at::kFloat && per_tensor->is_contiguous() &&
+                  per_tensor->numel() == static_cast<int64_t>(n) && per_tensor->device().is_cpu(),
+              "ampinit.", op, ": per_tensor_found_inf must be a contiguous float32 tensor with one element "
+              "per input on the inputs' device");
+}
+
+void unscale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& inv_scale,
+              const at::Tensor& found_inf, const std::optional<at::Tensor>& per_tensor) {
+  check_same_length("unscale_", "inputs", inputs.size(), "outputs", outputs.size());
+  check_flag("unscale_", "inv_scale", inv_scale, at::kCPU);
+  check_flag("unscale_", "found_inf", found_inf, at::kCPU);
+  check_per_tensor("unscale_", per_tensor, inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("unscale_", i, {inputs[i], outputs[i]}, at::kCPU);
+  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  const auto& in = rows.list(0);
+  const auto& out = rows.list(1);
+  const float inv = inv_scale.data_ptr<float>()[0];
+  const auto& k = kernels();
+  const auto bad = for_each_chunk(in, [&](const Chunk& c) {
+    return k.unscale(in[c.tensor].scalar_type(), out[c.tensor].scalar_type(), at_offset(in[c.tensor], c.begin),
+                     at_offset(out[c.tensor], c.begin), c.size, inv);
+  });
+  rows.finish();
+  record_flags(bad, found_inf, per_tensor);
+}
+
+void accumulate_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& inv_scale,
+                 const at::Tensor& found_inf, double out_weight) {
+  check_same_length("accumulate_", "inputs", inputs.size(), "outputs", outputs.size());
+  check_flag("accumulate_", "inv_scale", inv_scale, at::kCPU);
+  check_flag("accumulate_", "found_inf", found_inf, at::kCPU);
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("accumulate_", i, {inputs[i], outputs[i]}, at::kCPU);
+  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  const auto& in = rows.list(0);
+  const auto& out = rows.list(1);
+  const float inv = inv_scale.data_ptr<float>()[0];
+  const auto& k = kernels();
+  const auto bad = for_each_chunk(in, [&](const Chunk& c) {
+    return k.accumulate(in[c.tensor].scalar_type(), out[c.tensor].scalar_type(), at_offset(in[c.tensor], c.begin),
+                        at_offset(out[c.tensor], c.begin), c.size, inv, static_cast<float>(out_weight));
+  });
+  rows.finish();
+  record_flags(bad, found_inf, std::nullopt);
+}
+
+void copy_(at::TensorList outputs, at::TensorList inputs) {
+  check_same_length("copy_", "outputs", outputs.size(), "inputs", inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("copy_", i, {inputs[i], outputs[i]}, at::kCPU);
+  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  const auto& in = rows.list(0);
+  const auto& out = rows.list(1);
+  const auto& k = kernels();
+  for_each_chunk(in, [&](const Chunk& c) {
+    k.copy(in[c.tensor].scalar_type(), out[c.tensor].scalar_type(), at_offset(in[c.tensor], c.begin),
+           at_offset(out[c.tensor], c.begin), c.size);
+    return false;
+  });
+  rows.finish();
+}
+
+void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std::optional<at::Tensor>& per_tensor) {
+  check_flag("check_finite_", "found_inf", found_inf, at::kCPU);
+  check_per_tensor("check_finite_", per_tensor, inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("check_finite_", i, {inputs[i]}, at::kCPU);
+  DenseRows rows({inputs.vec()}, {false});
+  const auto& in = rows.list(0);
+  const auto& k = kernels();
+  const auto bad = for_each_chunk(in, [&](const Chunk& c) {
+    return k.check(in[c.tensor].scalar_type(), at_offset(in[c.tensor], c.begin), c.size);
+  });
+  record_flags(bad, found_inf, per_tensor);
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList inputs, bool per_tensor) {
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("l2norm", i, {inputs[i]}, at::kCPU);
+  DenseRows rows({inputs.vec()}, {false});
+  const auto& in = rows.list(0);
+  const auto chunks = chunks_of(in);
+  std::vector<double> partial(chunks.size(), 0.0);
+  const auto& k = kernels();
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const auto& chunk = chunks[c];
+      partial[c] = k.sum_of_squares(in[chunk.tensor].scalar_type(), at_offset(in[chunk.tensor], chunk.begin),
+                                    chunk.size);
+    }
+  });
+  // Summed in chunk order: the result does not depend on the thread count.
+  std::vector<double> per(in.size(), 0.0);
+  for (size_t c = 0; c < chunks.size(); ++c) per[chunks[c].tensor] += partial[c];
+  double total = 0.0;
+  for (double value : per) total += value;
+  at::Tensor total_norm = at::empty({1}, at::dtype(at::kFloat));
+  total_norm.data_ptr<float>()[0] = static_cast<float>(std::sqrt(total));
+  at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(in.size()) : 0}, at::dtype(at::kFloat));
+  for (int64_t t = 0; t < norms.numel(); ++t) norms.data_ptr<float>()[t] = static_cast<float>(std::sqrt(per[t]));
+  return {total_norm, norms};
+}
+
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
+                   const at::Tensor& overflow_count, const at::Tensor& found_inf, double growth_factor,
+                   double backoff_factor, int64_t growth_interval, int64_t hysteresis, double min_scale,
+                   double max_scale) {
+  check_flag("update_scale_", "scale", scale, at::kCPU);
+  check_flag("update_scale_", "found_inf", found_inf, at::kCPU);
+  TORCH_CHECK(growth_tracker.numel() == 1 && growth_tracker.scalar_type() == at::kInt &&
+                  hysteresis_tracker.numel() == 1 && hysteresis_tracker.scalar_type() == at::kInt &&
+                  overflow_count.numel() == 1 && overflow_count.scalar_type() == at::kLong,
+              "ampinit.update_scale_: growth_tracker and hysteresis_tracker must be 1-element int32 tensors "
+              "and overflow_count a 1-element int64 tensor");
+  float& s = scale.data_ptr<float>()[0];
+  int32_t& tracker = growth_tracker.data_ptr<int32_t>()[0];
+  int32_t& credits = hysteresis_tracker.data_ptr<int32_t>()[0];
+  if (found_inf.data_ptr<float>()[0] > 0.0f) {
+    overflow_count.data_ptr<int64_t>()[0] += 1;
+    tracker = 0;
+    credits -= 1;
+    // float32 arithmetic, as the torch fallback computes it.
+    if (credits <= 0) s = std::max(s * static_cast<float>(backoff_factor), static_cast<float>(min_scale));
+    credits = std::max(credits, 0);
+  } else if (++tracker >= growth_interval) {
+    s = std::min(s * static_cast<float>(growth_factor), static_cast<float>(max_scale));
+    tracker = 0;
+    credits = static_cast<int32_t>(hysteresis);
+  }
+}
+
+// Checks shared by the optimizers: FP32 params and state; grads any float type; model copies
+// 16-bit; step counters 1-element float32.
+void check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
+                           const std::vector<at::TensorList>& states, at::TensorList steps,
+                           at::TensorList models, const at::Device& device) {
+  check_same_length(op, "params", params.size(), "grads", grads.size());
+  check_same_length(op, "params", params.size(), "steps", steps.size());
+  for (const auto& state : states) check_same_length(op, "params", params.size(), "optimizer state", state.size());
+  TORCH_CHECK(models.empty() || models.size() == params.size(), "ampinit.", op,
+              ": model_params must be empty or have one entry per param");
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::vector<at::Tensor> row = {params[i], grads[i]};
+    for (const auto& state : states) row.push_back(state[i]);
+    if (!models.empty()) row.push_back(models[i]);
+    check_row(op, i, row, device);
+    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "ampinit.", op, ": param ", i, " is ",
+                params[i].scalar_type(), "; the fused optimizers update float32 params (keep low-precision "
+                "models behind ampinit.initialize's FP32 master weights)");
+    for (const auto& state : states) {
+      TORCH_CHECK(state[i].scalar_type() == at::kFloat, "ampinit.", op, ": optimizer state ", i, " must be float32");
+    }
+    if (!models.empty()) {
+      TORCH_CHECK(models[i].scalar_type() != at::kFloat && !models[i].is_same(params[i]), "ampinit.", op,
+                  ": model_params[", i, "] must be a float16/bfloat16 tensor distinct from the param");
+    }
+    check_flag(op, "steps[i]", steps[i], device);
+  }
+}
+
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList steps, at::TensorList models, double lr, double beta1, double beta2, double eps,
+                 double weight_decay, bool decoupled_weight_decay, bool bias_correction,
+                 const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+  check_flag("fused_adam_", "inv_scale", inv_scale, at::kCPU);
+  check_flag("fused_adam_", "found_inf", found_inf, at::kCPU);
+  check_optimizer_lists("fused_adam_", params, grads, {exp_avgs, exp_avg_sqs}, steps, models, at::kCPU);
+  if (found_inf.data_ptr<float>()[0] != 0.0f) return;  // the skipped step leaves everything as it was
+  std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec()};
+  std::vector<bool> written = {true, false, true, true};
+  if (!models.empty()) {
+    lists.push_back(models.vec());
+    written.push_back(true);
+  }
+  DenseRows rows(std::move(lists), std::move(written));
+  std::vector<AdamParams> per_tensor(params.size());
+  for (size_t t = 0; t < params.size(); ++t) {
+    float& step = steps[t].data_ptr<float>()[0];
+    step += 1.0f;
+    // Bias corrections in double, as torch.optim.Adam computes them on the host.
+    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+    per_tensor[t] = {static_cast<float>(beta2), static_cast<float>(eps), static_cast<float>(weight_decay),
+                     static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+                     static_cast<float>(1.0 - lr * weight_decay), decoupled_weight_decay,
+                     inv_scale.data_ptr<float>()[0], static_cast<float>(lr / bc1),
+                     static_cast<float>(std::sqrt(bc2))};
+  }
+  const auto& k = kernels();
+  const auto& p = rows.list(0);
+  const auto& g = rows.list(1);
+  const auto& m = rows.list(2);
+  const auto& v = rows.list(3);
+  for_each_chunk(p, [&](const Chunk& c) {
+    const size_t t = c.tensor;
+    const bool copy = !models.empty();
+    k.adam(per_tensor[t], g[t].scalar_type(), copy ? rows.list(4)[t].scalar_type() : at::ScalarType::Undefined,
+           at_offset<float>(p[t], c.begin), at_offset(g[t], c.begin), at_offset<float>(m[t], c.begin),
+           at_offset<float>(v[t], c.begin), copy ? at_offset(rows.list(4)[t], c.begin) : nullptr, c.size);
+    return false;
+  });
+  rows.finish();
+}
+
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, at::TensorList steps,
+                at::TensorList models, double lr, double momentum, double dampening, double weight_decay,
+                bool nesterov, const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+  check_flag("fused_sgd_", "inv_scale", inv_scale, at::kCPU);
+  check_flag("fused_sgd_", "found_inf", found_inf, at::kCPU);
+  const bool has_momentum = !momentum_buffers.empty();
+  TORCH_CHECK(has_momentum == (momentum != 0.0), "ampinit.fused_sgd_: pass one momentum buffer per param exactly "
+              "when momentum is nonzero");
+  std::vector<at::TensorList> states;
+  if (has_momentum) states.push_back(momentum_buffers);
+  check_optimizer_lists("fused_sgd_", params, grads, states, steps, models, at::kCPU);
+  if (found_inf.data_ptr<float>()[0] != 0.0f) return;
+  std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec()};
+  std::vector<bool> written = {true, false};
+  if (has_momentum) {
+    lists.push_back(momentum_buffers.vec());
+    written.push_back(true);
+  }
+  const size_t model_list = lists.size();
+  if (!models.empty()) {
+    lists.push_back(models.vec());
+    written.push_back(true);
+  }
+  DenseRows rows(std::move(lists), std::move(written));
+  std::vector<SgdParams> per_tensor(params.size());
+  for (size_t t = 0; t < params.size(); ++t) {
+    float& step = steps[t].data_ptr<float>()[0];
+    step += 1.0f;
+    per_tensor[t] = {static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
+                     static_cast<float>(weight_decay), nesterov, step == 1.0f, inv_scale.data_ptr<float>()[0]};
+  }
+  const auto& k = kernels();
+  const auto& p = rows.list(0);
+  const auto& g = rows.list(1);
+  for_each_chunk(p, [&](const Chunk& c) {
+    const size_t t = c.tensor;
+    const bool copy = !models.empty();
+    k.sgd(per_tensor[t], g[t].scalar_type(),
+          copy ? rows.list(model_list)[t].scalar_type() : at::ScalarType::Undefined, at_offset<float>(p[t], c.begin),
+          at_offset(g[t], c.begin), has_momentum ? at_offset<float>(rows.list(2)[t], c.begin) : nullptr,
+          copy ? at_offset(rows.list(model_list)[t], c.begin) : nullptr, c.size);
+    return false;
+  });
+  rows.finish();
+}
+
+}  // namespace
+
+std::string kernel_name() { return kernels().name; }
+
+TORCH_LIBRARY_IMPL(ampinit, CPU, m) {
+  m.impl("unscale_", &unscale_);
+  m.impl("accumulate_", &accumulate_);
+  m.impl("copy_", &copy_);
+  m.impl("check_finite_", &check_finite_);
+  m.impl("l2norm", &l2norm);
+  m.impl("update_scale_", &update_scale_);
+  m.impl("fused_adam_", &fused_adam_);
+  m.impl("fused_sgd_", &fused_sgd_);
+}
+
+}  // namespace ampinit::cpu
