@@ -2,14 +2,16 @@
 
 They honour exactly the contract of the compiled kernels (see ``ops``): ``inv_scale`` and
 ``found_inf`` are 1-element float32 tensors on the gradients' device, read and written with
-tensor ops only, so nothing here synchronises the host with the device.  ``found_inf`` is
+tensor ops only, so nothing here synchronises the host with the device (the fused optimizers
+are the exception: they read found_inf and the step counts on the host).  ``found_inf`` is
 OR-ed into (set to 1.0 on a non-finite value, never cleared): the caller zeroes it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,13 +44,23 @@ def _check_and_unscale_dense_(tensors: List[torch.Tensor], inv_scale: torch.Tens
         torch._amp_foreach_non_finite_check_and_unscale_(tensors_of_dtype, found_inf, inv_scale)
 
 
+def _record_per_tensor(tensors: Tensors, per_tensor_found_inf: Optional[torch.Tensor]) -> None:
+    """Set ``per_tensor_found_inf[i]`` for each tensor holding inf/NaN (an extra pass; the
+    fallback spends it only when diagnostics ask for it)."""
+    if per_tensor_found_inf is None or not tensors:
+        return
+    bad = torch.stack([torch.logical_not(torch.isfinite(t).all()) for t in tensors]).to(per_tensor_found_inf.device)
+    per_tensor_found_inf.copy_(torch.maximum(per_tensor_found_inf, bad.float()))
+
+
 def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
-             found_inf: torch.Tensor) -> None:
+             found_inf: torch.Tensor, per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
     """``outputs[i] = inputs[i] * inv_scale`` (cast to the output's dtype), checking for inf/NaN.
 
     ``outputs[i]`` may be ``inputs[i]`` (in place).  Sparse inputs are not supported here;
     use :func:`unscale_sparse`.
     """
+    _record_per_tensor(inputs, per_tensor_found_inf)
     in_place = [o for i, o in zip(inputs, outputs) if o is i]
     copies = [(i, o) for i, o in zip(inputs, outputs) if o is not i]
     if copies:
@@ -64,7 +76,7 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
 
 
 def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
-                         found_inf: torch.Tensor) -> None:
+                         found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
     """``outputs[i] += inputs[i] * inv_scale``, checking the new contributions for inf/NaN.
 
     Used when a second loss (or a second backward before ``step``) adds to gradients that
@@ -75,7 +87,31 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
     unscaled = [torch.empty_like(o) for o in outputs]
     unscale_(inputs, unscaled, inv_scale, found_inf)
     for group_outputs, group_unscaled in _group_by_dtype(outputs, unscaled).values():
+        if out_weight != 1.0:
+            torch._foreach_mul_(group_outputs, out_weight)
         torch._foreach_add_(group_outputs, group_unscaled)
+
+
+def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
+                  per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
+    """Set ``found_inf`` if any input holds inf/NaN, without writing the inputs."""
+    if not inputs:
+        return
+    bad = torch.stack([torch.logical_not(torch.isfinite(t).all()) for t in inputs])
+    found_inf.copy_(torch.maximum(found_inf, bad.any().float().reshape(1)))
+    if per_tensor_found_inf is not None:
+        per_tensor_found_inf.copy_(torch.maximum(per_tensor_found_inf, bad.float()))
+
+
+def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Total L2 norm (1-element float32) and, if ``per_tensor``, each tensor's norm."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+    if not inputs:
+        return torch.zeros(1, device=device), torch.empty(0, device=device)
+    squares = torch.stack([t.double().square().sum() for t in inputs])
+    total = squares.sum().sqrt().float().reshape(1)
+    norms = squares.sqrt().float() if per_tensor else torch.empty(0, device=device)
+    return total, norms
 
 
 def unscale_sparse(grad: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -120,3 +156,55 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     hysteresis_tracker.copy_(torch.where(grow, torch.full_like(credits, hysteresis),
                                          torch.clamp(credits, min=0)))
     overflow_count.add_(overflow.to(overflow_count.dtype))
+
+
+# -- fused optimizers: torch ops, one tensor at a time -------------------------------------------
+# Without the compiled kernels the fused optimizers still compute exactly their update, but
+# the skip decision and the bias corrections read device values on the host (syncs on CUDA).
+
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr: float, beta1: float,
+                beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                bias_correction: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Adam/AdamW as torch.optim.Adam's single-tensor path computes it; see ``ops.fused_adam_``."""
+    if not params or bool(found_inf.item()):
+        return
+    for i, param in enumerate(params):
+        grad = grads[i].float() * inv_scale
+        steps[i] += 1
+        step = float(steps[i])
+        if weight_decay != 0:
+            if decoupled_weight_decay:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(param, alpha=weight_decay)
+        exp_avgs[i].lerp_(grad, 1 - beta1)
+        exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step if bias_correction else 1.0
+        bias_correction2 = 1 - beta2 ** step if bias_correction else 1.0
+        denom = (exp_avg_sqs[i].sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        param.addcdiv_(exp_avgs[i], denom, value=-lr / bias_correction1)
+    if model_params:
+        copy_(model_params, params)
+
+
+def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: float, momentum: float,
+               dampening: float, weight_decay: float, nesterov: bool, inv_scale: torch.Tensor,
+               found_inf: torch.Tensor) -> None:
+    """SGD as torch.optim.SGD computes it; see ``ops.fused_sgd_``."""
+    if not params or bool(found_inf.item()):
+        return
+    for i, param in enumerate(params):
+        grad = grads[i].float() * inv_scale
+        steps[i] += 1
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        if momentum != 0:
+            buffer = momentum_buffers[i]
+            if float(steps[i]) == 1.0:
+                buffer.copy_(grad)
+            else:
+                buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
+            grad = grad.add(buffer, alpha=momentum) if nesterov else buffer
+        param.add_(grad, alpha=-lr)
+    if model_params:
+        copy_(model_params, params)

@@ -1,29 +1,167 @@
-"""The ops facade: one function per hot-path op, backed by the pure-PyTorch implementations.
+"""The ops facade: one function per hot-path op, on the compiled kernels where they can run.
 
-Every op follows one contract, shared with the compiled kernels that will sit behind this
-facade: ``inv_scale`` and ``found_inf`` are 1-element float32 tensors on the gradients'
-device; nothing reads them on the host, so no op synchronises with the device.  The caller
-zeroes ``found_inf``; an op only ever sets it to 1.0.
+Every op follows one contract, shared by the compiled kernels (``torch.ops.ampinit.*``, from
+``csrc/``) and the pure-PyTorch fallback (``_fallback``): ``inv_scale`` and ``found_inf`` are
+1-element float32 tensors on the tensors' device; the kernels read them from device memory, so
+no op synchronises with the device.  The caller zeroes ``found_inf``; an op only ever sets it
+to 1.0.  Outputs may be the inputs (in place).
+
+Each call takes the compiled kernels when the extension is loaded, was built for the tensors'
+device type and handles their dtypes (float32, float16, bfloat16, dense); anything else runs
+the fallback.  :func:`backend` says which path is live and why.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import torch
 
 from . import _ext, _fallback
 
-__all__ = ["backend", "unscale_", "accumulate_unscaled_", "unscale_sparse", "copy_",
-           "update_scale_"]
+__all__ = ["backend", "unscale_", "accumulate_unscaled_", "check_finite_", "unscale_sparse", "copy_",
+           "l2norm", "update_scale_", "fused_adam_", "fused_sgd_"]
+
+Tensors = Sequence[torch.Tensor]
+_KERNEL_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
-def backend() -> Tuple[str, str]:
-    """``(name, reason)`` of the live implementation: ``("torch", why)`` for the fallback."""
-    return "torch", _ext.REASON
+def _built_for(device_type: str) -> bool:
+    module = _ext.EXTENSION
+    if module is None:
+        return False
+    return device_type == "cpu" or (device_type == "cuda" and bool(getattr(module, "with_cuda", False)))
 
 
-# The compiled extension is not part of this build yet, so every op is the fallback's.
-unscale_ = _fallback.unscale_
-accumulate_unscaled_ = _fallback.accumulate_unscaled_
-unscale_sparse = _fallback.unscale_sparse
-copy_ = _fallback.copy_
-update_scale_ = _fallback.update_scale_
+def backend(device: Optional[torch.device] = None) -> Tuple[str, str]:
+    """``(name, reason)`` of the implementation that runs for tensors on ``device``.
+
+    ``name`` is ``"cuda"`` or ``"cpu"`` for the compiled kernels and ``"torch"`` for the
+    pure-PyTorch fallback; ``reason`` says why (and which CPU kernels: ``avx2`` or ``default``).
+    ``device`` defaults to CUDA when it is available, else the CPU.
+    """
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = torch.device(device).type
+    module = _ext.EXTENSION
+    if module is None:
+        return "torch", _ext.REASON
+    if not _built_for(device_type):
+        return "torch", f"the compiled extension has no {device_type} kernels (built without them)"
+    if device_type == "cpu":
+        return "cpu", f"compiled extension, {module.cpu_kernels()} CPU kernels"
+    return "cuda", "compiled extension, CUDA kernels"
+
+
+def _use_kernels(device: torch.device, *lists: Tensors) -> bool:
+    """Whether the compiled kernels take these tensors (else the fallback runs)."""
+    if not _built_for(device.type):
+        return False
+    return all(t.dtype in _KERNEL_DTYPES and t.layout == torch.strided for tensors in lists for t in tensors)
+
+
+def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+             per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
+    """``outputs[i] = inputs[i] * inv_scale``, cast to the output's dtype, in one pass that also
+    sets ``found_inf`` if any scaled value is inf/NaN (and ``per_tensor_found_inf[i]`` for the
+    tensors that held one, when given).  ``outputs[i]`` may be ``inputs[i]``.  No sync."""
+    if _use_kernels(found_inf.device, inputs, outputs):
+        torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
+    else:
+        _fallback.unscale_(inputs, outputs, inv_scale, found_inf, per_tensor_found_inf)
+
+
+def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
+                         found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
+    """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale``, checking only the new
+    contributions for inf/NaN.  Used when a second loss (or a second backward before ``step``)
+    adds to gradients that are already unscaled.  No sync."""
+    if _use_kernels(found_inf.device, inputs, outputs):
+        torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
+    else:
+        _fallback.accumulate_unscaled_(inputs, outputs, inv_scale, found_inf, out_weight)
+
+
+def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
+                  per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
+    """Set ``found_inf`` if any input holds inf/NaN; read-only on the inputs.  No sync."""
+    if _use_kernels(found_inf.device, inputs):
+        torch.ops.ampinit.check_finite_(list(inputs), found_inf, per_tensor_found_inf)
+    else:
+        _fallback.check_finite_(inputs, found_inf, per_tensor_found_inf)
+
+
+def unscale_sparse(grad: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Unscaled copy of a sparse COO gradient in ``dtype``, checking it for inf/NaN."""
+    return _fallback.unscale_sparse(grad, inv_scale, found_inf, dtype)
+
+
+def copy_(outputs: Tensors, inputs: Tensors) -> None:
+    """``outputs[i].copy_(inputs[i])`` with round-to-nearest-even conversion (masters -> model)."""
+    if inputs and _use_kernels(inputs[0].device, inputs, outputs):
+        torch.ops.ampinit.copy_(list(outputs), list(inputs))
+    else:
+        _fallback.copy_(outputs, inputs)
+
+
+def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm over all ``inputs`` as a 1-element float32 tensor on their device, and the
+    norm of each one (empty unless ``per_tensor``).  Accumulates in double; inf/NaN propagate.
+    No sync, so clipping can use it without one: ``grads * (max_norm / (norm + 1e-6)).clamp(max=1)``."""
+    inputs = list(inputs)
+    if inputs and _use_kernels(inputs[0].device, inputs):
+        return torch.ops.ampinit.l2norm(inputs, per_tensor)
+    return _fallback.l2norm(inputs, per_tensor)
+
+
+def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,
+                  overflow_count: torch.Tensor, found_inf: torch.Tensor, *, growth_factor: float,
+                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float,
+                  max_scale: float) -> None:
+    """Advance the dynamic loss-scale state machine by one backward, on the device (see
+    :func:`ampinit._fallback.update_scale_` for the rules).  No sync."""
+    if _built_for(scale.device.type):
+        torch.ops.ampinit.update_scale_(scale, growth_tracker, hysteresis_tracker, overflow_count, found_inf,
+                                        float(growth_factor), float(backoff_factor), int(growth_interval),
+                                        int(hysteresis), float(min_scale), float(max_scale))
+    else:
+        _fallback.update_scale_(scale, growth_tracker, hysteresis_tracker, overflow_count, found_inf,
+                                growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                growth_interval=growth_interval, hysteresis=hysteresis,
+                                min_scale=min_scale, max_scale=max_scale)
+
+
+def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                steps: Tensors, model_params: Tensors, *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, decoupled_weight_decay: bool, bias_correction: bool,
+                inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """One Adam (or AdamW, ``decoupled_weight_decay``) step of FP32 ``params`` from
+    ``grads * inv_scale``, writing ``model_params`` (empty, or one 16-bit copy per param) in
+    the same pass.  When ``found_inf`` is set nothing changes, steps included; the compiled
+    kernels decide that on the device (no sync), the fallback reads the flag (one sync)."""
+    if params and _use_kernels(found_inf.device, params, grads, model_params):
+        torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
+                                      list(model_params), float(lr), float(beta1), float(beta2), float(eps),
+                                      float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
+                                      inv_scale, found_inf)
+    else:
+        _fallback.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay,
+                              decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction,
+                              inv_scale=inv_scale, found_inf=found_inf)
+
+
+def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Tensors, steps: Tensors,
+               model_params: Tensors, *, lr: float, momentum: float, dampening: float, weight_decay: float,
+               nesterov: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """One SGD step (momentum, dampening, nesterov, weight decay) like :func:`fused_adam_`;
+    ``momentum_buffers`` is empty exactly when ``momentum == 0``."""
+    if params and _use_kernels(found_inf.device, params, grads, model_params):
+        torch.ops.ampinit.fused_sgd_(params, list(grads), list(momentum_buffers), list(steps), list(model_params),
+                                     float(lr), float(momentum), float(dampening), float(weight_decay),
+                                     bool(nesterov), inv_scale, found_inf)
+    else:
+        _fallback.fused_sgd_(params, grads, momentum_buffers, steps, model_params, lr=lr, momentum=momentum,
+                             dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                             inv_scale=inv_scale, found_inf=found_inf)

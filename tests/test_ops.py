@@ -1,14 +1,21 @@
-"""The ops facade against a plain elementwise reference, with planted inf/NaN."""
+"""The ops facade against a plain elementwise reference, with planted inf/NaN.
+
+These run whatever backend is live (the compiled kernels when built, else the torch
+fallback); CI runs them both ways.  test_kernels.py compares the two paths directly.
+"""
 import itertools
+import os
 
 import pytest
 import torch
 
-from ampinit import ops
+from ampinit import _ext, ops
 
-SIZES = [0, 1, 7, 4097, 65536 * 2 + 3]
+SIZES = [0, 1, 7, 4097, 65536 * 2 + 3, 555 * 555]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}
+# The fallback casts before it scales, rounding twice: one fp16 subnormal step apart at most.
+ATOL = {torch.float16: 2.0 ** -24, torch.bfloat16: 0.0, torch.float32: 0.0}
 
 
 def _grads(dtype, sizes, device, seed=0):
@@ -38,7 +45,7 @@ def test_unscale_out_of_place(in_dtype, out_dtype, plant, device):
     ops.unscale_(inputs, outputs, inv, found_inf)
     assert found_inf.item() == float(bad) == float(plant is not None)
     for out, ref in zip(outputs, expected):
-        torch.testing.assert_close(out, ref, rtol=TOL[out_dtype], atol=0, equal_nan=True)
+        torch.testing.assert_close(out, ref, rtol=TOL[out_dtype], atol=ATOL[out_dtype], equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,7 +60,7 @@ def test_unscale_in_place_many_tensors_noncontiguous(dtype, plant_at, device):
     ops.unscale_(inputs, inputs, inv, found_inf)
     assert found_inf.item() == float(bad)
     for out, ref in zip(inputs, expected):
-        torch.testing.assert_close(out, ref, rtol=TOL[dtype], atol=0, equal_nan=True)
+        torch.testing.assert_close(out, ref, rtol=TOL[dtype], atol=ATOL[dtype], equal_nan=True)
 
 
 def test_empty_lists_and_flag_is_sticky(device):
@@ -135,6 +142,78 @@ def test_update_scale_matches_python_model(device):
                 (py["scale"], py["tracker"], py["credits"], py["count"])
 
 
-def test_backend_reports_fallback():
-    name, reason = ops.backend()
-    assert name == "torch" and reason
+def test_backend_is_the_expected_one():
+    """CI sets AMPINIT_EXPECT_BACKEND, so a build that silently fell back fails here."""
+    name, reason = ops.backend(torch.device("cpu"))
+    assert reason
+    if os.environ.get("AMPINIT_DISABLE_EXT", "0") not in ("", "0"):
+        assert name == "torch" and "AMPINIT_DISABLE_EXT" in reason and _ext.EXTENSION is None
+    elif _ext.EXTENSION is not None:
+        assert name == "cpu" and _ext.EXTENSION.cpu_kernels() in reason
+    expected = os.environ.get("AMPINIT_EXPECT_BACKEND")
+    if expected:
+        assert name == expected, reason
+
+
+@pytest.mark.parametrize("in_dtype, out_dtype", list(itertools.product(DTYPES, [torch.float32, torch.float16])))
+def test_accumulate_every_dtype_pair_and_weight(in_dtype, out_dtype, device):
+    inputs = _grads(in_dtype, SIZES, device, seed=5)
+    inputs[4][65536] = float("-inf")  # the first element of the second chunk
+    outputs = [torch.randn(x.shape, device=device).to(out_dtype) for x in inputs]
+    expected = [(0.5 * o.double() + x.double() / 256.0).to(out_dtype) for o, x in zip(outputs, inputs)]
+    found_inf, inv = _flags(device)
+    ops.accumulate_unscaled_(inputs, outputs, inv, found_inf, out_weight=0.5)
+    assert found_inf.item() == 1.0
+    # Both terms are O(1) and may cancel: the error bound is absolute, a few fp16 ulps of 1.
+    atol = 4e-3 if out_dtype == torch.float16 else 1e-6
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref, rtol=TOL[out_dtype], atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plant", [None, float("inf"), float("-inf"), float("nan")])
+def test_check_finite_and_per_tensor_flags(dtype, plant, device):
+    inputs = _grads(dtype, SIZES, device, seed=6)
+    before = [x.clone() for x in inputs]
+    if plant is not None:
+        inputs[1][0] = plant
+        inputs[5][555 * 555 - 1] = plant  # the scalar tail of the last chunk
+    found_inf, inv = _flags(device)
+    per_tensor = torch.zeros(len(inputs), device=device)
+    ops.check_finite_(inputs, found_inf, per_tensor)
+    bad = plant is not None
+    assert found_inf.item() == float(bad)
+    assert per_tensor.tolist() == [0.0, float(bad), 0.0, 0.0, 0.0, float(bad)]
+    for x, b in zip(inputs[2:5], before[2:5]):
+        assert torch.equal(x, b)  # read-only
+    found_inf.zero_()
+    per_tensor.zero_()
+    outputs = [torch.empty(x.shape, device=device) for x in inputs]
+    ops.unscale_(inputs, outputs, inv, found_inf, per_tensor)
+    assert found_inf.item() == float(bad)
+    assert per_tensor.tolist() == [0.0, float(bad), 0.0, 0.0, 0.0, float(bad)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm_matches_double_reference(dtype, device):
+    inputs = _grads(dtype, SIZES, device, seed=7)
+    total, per = ops.l2norm(inputs, per_tensor=True)
+    ref = [x.double().norm() for x in inputs]
+    assert total.shape == (1,) and total.dtype == torch.float32 and total.device == inputs[0].device
+    torch.testing.assert_close(total.double().cpu(), torch.stack(ref).norm().reshape(1).cpu(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(per.double().cpu(), torch.stack(ref).cpu(), rtol=1e-6, atol=0)
+    _, none = ops.l2norm(inputs)
+    assert none.numel() == 0
+    inputs[3][17] = float("inf")
+    assert ops.l2norm(inputs)[0].item() == float("inf")
+    inputs[3][17] = float("nan")
+    assert ops.l2norm(inputs)[0].isnan().item()
+
+
+def test_copy_noncontiguous_and_channels_last(device):
+    master = torch.randn(6, 5, 4, 3, device=device)
+    model = torch.empty(6, 5, 4, 3, device=device, dtype=torch.float16).to(memory_format=torch.channels_last)
+    strided_master = torch.randn(9, 10, device=device)[:, ::2]
+    strided_model = torch.empty(9, 5, device=device, dtype=torch.bfloat16)
+    ops.copy_([model, strided_model], [master, strided_master])
+    assert torch.equal(model, master.half()) and torch.equal(strided_model, strided_master.bfloat16())

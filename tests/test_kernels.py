@@ -1,0 +1,171 @@
+"""The compiled kernels against the torch fallback on the same data, and their argument checks.
+
+Skipped where the extension is not built (or AMPINIT_DISABLE_EXT=1): test_ops.py covers the
+facade whatever backend runs.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+from ampinit import _ext, _fallback
+
+pytestmark = pytest.mark.skipif(_ext.EXTENSION is None, reason=f"no compiled extension: {_ext.REASON}")
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SIZES = [0, 1, 7, 31, 33, 4097, 65536 * 2 + 3, 555 * 555]
+
+
+def _kernels_for(device):
+    if device == "cuda" and not _ext.EXTENSION.with_cuda:
+        pytest.skip("extension built without CUDA kernels")
+
+
+def _data(dtype, device, seed, sizes=SIZES):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=g) * 1000).to(dtype).to(device) for n in sizes]
+
+
+@pytest.mark.parametrize("in_dtype, out_dtype", list(itertools.product(DTYPES, DTYPES)))
+def test_unscale_kernel_equals_single_rounding_reference(in_dtype, out_dtype, device):
+    """The kernel rounds once (x * inv in float32, then to the output dtype): bitwise equal
+    to that reference, including for values that overflow the output or underflow to 0."""
+    _kernels_for(device)
+    inputs = _data(in_dtype, device, 1)
+    inputs[6][100] = float("nan")
+    inputs[7][-1] = float("-inf")
+    outputs = [torch.empty(x.shape, dtype=out_dtype, device=device) for x in inputs]
+    found, per = torch.zeros(1, device=device), torch.zeros(len(inputs), device=device)
+    inv = torch.full((1,), 3.0e-3, device=device)  # not a power of two: the rounding shows
+    torch.ops.ampinit.unscale_(inputs, outputs, inv, found, per)
+    for x, y in zip(inputs, outputs):
+        assert torch.equal((x.float() * inv).to(out_dtype).isnan(), y.isnan())
+        assert torch.equal(torch.nan_to_num((x.float() * inv).to(out_dtype)), torch.nan_to_num(y))
+    assert found.item() == 1.0 and per.tolist() == [0] * 6 + [1, 1]
+
+
+def test_in_place_and_mixed_dtypes_in_one_call(device):
+    _kernels_for(device)
+    inputs = _data(torch.float16, device, 2, [5, 70000]) + _data(torch.bfloat16, device, 3, [9]) + \
+        _data(torch.float32, device, 4, [65537])
+    expected = [(x.float() * 0.25).to(x.dtype) for x in inputs]
+    found, inv = torch.zeros(1, device=device), torch.full((1,), 0.25, device=device)
+    torch.ops.ampinit.unscale_(inputs, inputs, inv, found)
+    assert found.item() == 0.0
+    assert all(torch.equal(x, e) for x, e in zip(inputs, expected))
+
+
+def test_more_tensors_than_one_launch_holds(device):
+    """> 110 tensors and > 320 chunks: the launcher splits them over several launches, and a
+    tensor may straddle two; an inf in the very last one is still seen."""
+    _kernels_for(device)
+    sizes = [1, 3] * 60 + [65536 * 3 + 1] * 120
+    inputs = _data(torch.float16, device, 5, sizes)
+    inputs[-1][-1] = float("inf")
+    outputs = [torch.empty(x.shape, device=device) for x in inputs]
+    found, inv = torch.zeros(1, device=device), torch.full((1,), 0.5, device=device)
+    per = torch.zeros(len(inputs), device=device)
+    torch.ops.ampinit.unscale_(inputs, outputs, inv, found, per)
+    assert found.item() == 1.0 and per.nonzero().flatten().tolist() == [len(inputs) - 1]
+    assert all(torch.equal(y[:-1], x[:-1].float() * 0.5) for x, y in zip(inputs, outputs))
+    total, norms = torch.ops.ampinit.l2norm(inputs[:-1], True)
+    ref = torch.stack([x.double().norm() for x in inputs[:-1]])
+    torch.testing.assert_close(norms.double(), ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.double(), ref.norm().reshape(1), rtol=1e-6, atol=0)
+
+
+def test_update_scale_kernel_equals_fallback(device):
+    _kernels_for(device)
+    g = torch.Generator().manual_seed(9)
+    states = []
+    for impl in (torch.ops.ampinit.update_scale_, None):
+        scale = torch.full((1,), 2.0 ** 15, device=device)
+        tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        credits = torch.full((1,), 2, dtype=torch.int32, device=device)
+        count = torch.zeros(1, dtype=torch.int64, device=device)
+        found = torch.zeros(1, device=device)
+        history = []
+        for overflow in (torch.rand(300, generator=g) < 0.4).tolist():
+            found.fill_(float(overflow))
+            args = (scale, tracker, credits, count, found)
+            if impl is None:
+                _fallback.update_scale_(*args, growth_factor=3.0, backoff_factor=0.3, growth_interval=2,
+                                        hysteresis=2, min_scale=0.7, max_scale=1e6)
+            else:
+                impl(*args, 3.0, 0.3, 2, 2, 0.7, 1e6)
+            history.append((scale.item(), tracker.item(), credits.item(), count.item()))
+        states.append(history)
+        g = torch.Generator().manual_seed(9)
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [], torch.ones(1, device=d),
+                                          torch.zeros(1, device=d)), "same length"),
+    (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [torch.ones(4, device=d)],
+                                          torch.ones(1, device=d), torch.zeros(1, device=d)), "numbers of elements"),
+    (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
+                                          torch.ones(2, device=d), torch.zeros(1, device=d)), "1-element float32"),
+    (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d, dtype=torch.float64)],
+                                          [torch.ones(3, device=d)], torch.ones(1, device=d),
+                                          torch.zeros(1, device=d)), "float32, float16 and bfloat16"),
+    (lambda d: torch.ops.ampinit.check_finite_([torch.ones(3, device=d)], torch.zeros(1, device=d),
+                                               torch.zeros(2, device=d)), "one element per input"),
+    (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d, dtype=torch.float16)],
+                                             [torch.ones(3, device=d)], [torch.zeros(3, device=d)],
+                                             [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [],
+                                             1e-3, 0.9, 0.999, 1e-8, 0.0, False, True,
+                                             torch.ones(1, device=d), torch.zeros(1, device=d)), "float32 params"),
+    (lambda d: torch.ops.ampinit.fused_sgd_([torch.ones(3, device=d)], [torch.ones(3, device=d)], [],
+                                            [torch.zeros((), device=d)], [], 0.1, 0.9, 0.0, 0.0, False,
+                                            torch.ones(1, device=d), torch.zeros(1, device=d)), "momentum buffer"),
+])
+def test_bad_arguments_raise_clear_errors(call, message, device):
+    _kernels_for(device)
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensor_over_2_31_elements():
+    _kernels_for("cuda")
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    n = 2 ** 31 + 7
+    x = torch.ones(n, dtype=torch.float16, device="cuda")
+    x[-1] = float("inf")
+    found = torch.zeros(1, device="cuda")
+    torch.ops.ampinit.check_finite_([x], found)
+    assert found.item() == 1.0
+    x[-1] = 2.0
+    found.zero_()
+    torch.ops.ampinit.unscale_([x], [x], torch.full((1,), 0.5, device="cuda"), found)
+    assert found.item() == 0.0 and x[-1].item() == 1.0 and x[2 ** 31 + 1].item() == 0.5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_ops_make_no_host_sync():
+    _kernels_for("cuda")
+    grads = _data(torch.float16, "cuda", 8, [1000, 70000])
+    masters = [torch.empty(g.shape, device="cuda") for g in grads]
+    found, inv = torch.zeros(1, device="cuda"), torch.full((1,), 0.5, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.ampinit.unscale_(grads, masters, inv, found)
+        torch.ops.ampinit.check_finite_(grads, found)
+        torch.ops.ampinit.copy_(grads, masters)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(os.environ.get("AMPINIT_RUN_SLOW", "0") == "0", reason="set AMPINIT_RUN_SLOW=1 (12 GiB)")
+def test_cpu_tensor_over_2_31_elements():
+    n = 2 ** 31 + 7
+    x = torch.zeros(n, dtype=torch.float16)
+    x[-1] = float("nan")
+    found = torch.zeros(1)
+    torch.ops.ampinit.check_finite_([x], found)
+    assert found.item() == 1.0
