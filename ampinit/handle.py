@@ -7,6 +7,7 @@ number of initializations coexist and a dropped model frees its handle.  :meth:`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -44,11 +45,43 @@ class OptimizerBinding:
         self.masters = masters
         self.index = index
         self.steps = 0
-        self.skipped_steps = 0
-        self.last_overflow_step: Optional[int] = None
-        self.last_overflow_params: List[str] = []
+        self._skipped_steps = 0
+        self._last_overflow_step: Optional[int] = None
+        self._last_overflow_params: List[str] = []
         self.skips_at_floor = 0      # consecutive skips leaving every scaler involved at its floor
         self.loss_ids_since_step: set = set()
+        # Fused optimizers decide the skip on the device.  Each step's flags are copied to the
+        # host without waiting; the counters above catch up when the copy has landed (checked
+        # at the next step) or when someone reads them (a sync then).
+        self._unresolved: collections.deque = collections.deque()
+
+    # Counters that fused steps may still owe: reading them settles every step so far.
+    @property
+    def skipped_steps(self) -> int:
+        self.resolve_fused_steps(wait=True)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
+
+    @property
+    def last_overflow_step(self) -> Optional[int]:
+        self.resolve_fused_steps(wait=True)
+        return self._last_overflow_step
+
+    @last_overflow_step.setter
+    def last_overflow_step(self, value: Optional[int]) -> None:
+        self._last_overflow_step = value
+
+    @property
+    def last_overflow_params(self) -> List[str]:
+        self.resolve_fused_steps(wait=True)
+        return self._last_overflow_params
+
+    @last_overflow_params.setter
+    def last_overflow_params(self, value: List[str]) -> None:
+        self._last_overflow_params = value
 
     def check_ready_for_step(self) -> None:
         if self.masters.pending_scaled:
@@ -84,14 +117,71 @@ class OptimizerBinding:
     def skip_step(self) -> None:
         """Skip this step: record which parameters overflowed, drop every gradient, and
         raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
-        self.last_overflow_step = self.steps
-        self.last_overflow_params = self.nonfinite_param_names()
+        names = self.nonfinite_param_names()
+        loss_ids = set(self.loss_ids_since_step)
+        step = self.steps
         self.steps += 1
-        self.skipped_steps += 1
-        at_floor = all(self.handle.loss_scalers[i].at_floor() for i in self.loss_ids_since_step)
-        self.skips_at_floor = self.skips_at_floor + 1 if at_floor else 0
         self.masters.drop_all_grads()
         self._end_step()
+        self._count_skip(step, names, loss_ids)
+
+    def fused_step(self) -> None:
+        """step() of a fused optimizer: the kernel reads the scaled model gradients, skips on
+        found_inf by itself and writes the model weights.  No host sync; the skip is counted
+        once its flag reaches the host (:meth:`resolve_fused_steps`)."""
+        self.resolve_fused_steps(wait=False)
+        masters = self.masters
+        if masters.unscaled_since_step:
+            self.optimizer._amp_update(masters.found_inf, masters.deferred_inv_scale, masters.deferred,
+                                       masters._model_of)
+            self._unresolved.append(self._flags_on_host())
+        else:  # no scale_loss since the last step: plain gradients, nothing to skip
+            self.optimizer._amp_update(model_of=masters._model_of)
+            self.skips_at_floor = 0
+        self.steps += 1
+        # The step may have been skipped, which only the device knows: no gradient of it may
+        # be added to the next one, so they are all dropped, as after a skip.
+        masters.drop_all_grads()
+        self._end_step()
+
+    def _flags_on_host(self):
+        """This step's found_inf and per-tensor flags, copied to the host without waiting."""
+        flags = [self.masters.found_inf] + [f for f, _ in self.masters.overflow_records]
+        models = [m for _, ms in self.masters.overflow_records for m in ms]
+        packed = torch.cat(flags)
+        event = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = packed
+        return self.steps, set(self.loss_ids_since_step), models, host, event
+
+    def resolve_fused_steps(self, wait: bool) -> None:
+        """Count the skipped fused steps whose flags have reached the host (all of them, if
+        ``wait``: a sync).  Raises like :meth:`skip_step` on persistent inf/NaN."""
+        while self._unresolved:
+            step, loss_ids, models, host, event = self._unresolved[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._unresolved.popleft()
+            values = host.tolist()
+            if values[0] == 0.0:
+                self.skips_at_floor = 0
+                continue
+            names = [self.handle.param_name(m) for m, bad in zip(models, values[1:]) if bad]
+            self._count_skip(step, names, loss_ids)
+
+    def _count_skip(self, step: int, names: List[str], loss_ids: set) -> None:
+        self._last_overflow_step = step
+        self._last_overflow_params = names
+        self._skipped_steps += 1
+        at_floor = all(self.handle.loss_scalers[i].at_floor() for i in loss_ids)
+        self.skips_at_floor = self.skips_at_floor + 1 if at_floor else 0
         self.handle.report_skip(self)
         limit = self.handle.max_skips_at_floor
         if limit is not None and self.skips_at_floor >= limit:
@@ -99,7 +189,7 @@ class OptimizerBinding:
                 f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped "
                 "with the loss scale at its floor: these gradients are not overflowing, they "
                 "are inf/NaN at any scale, which points at a bug (NaN in the data, the loss or "
-                f"the model).  Non-finite gradients in: {', '.join(self.last_overflow_params) or 'none found'}. "
+                f"the model).  Non-finite gradients in: {', '.join(self._last_overflow_params) or 'none found'}. "
                 "To allow more such steps, set optimizer.amp.max_skips_at_floor (None disables this check)")
 
     def after_step(self) -> None:
@@ -202,15 +292,16 @@ class AmpHandle:
 
     def report_skip(self, binding: OptimizerBinding) -> None:
         """Rate-limited overflow message.  Reads the new scales (a sync, only on a skip)."""
-        n = binding.skipped_steps
+        n = binding._skipped_steps
         if n > _RATE_LIMIT_AFTER and n & (n - 1):
             return
         scales = ", ".join(f"{s.loss_scale():g}" for s in self.loss_scalers)
         tail = " (further messages only at powers of two)" if n == _RATE_LIMIT_AFTER else ""
-        where = ", ".join(binding.last_overflow_params[:8]) or "no parameter"
-        if len(binding.last_overflow_params) > 8:
-            where += f" and {len(binding.last_overflow_params) - 8} more"
-        self.log(1, f"Gradient overflow: skipped step {binding.last_overflow_step} of optimizer "
+        names = binding._last_overflow_params
+        where = ", ".join(names[:8]) or "no parameter"
+        if len(names) > 8:
+            where += f" and {len(names) - 8} more"
+        self.log(1, f"Gradient overflow: skipped step {binding._last_overflow_step} of optimizer "
                     f"{binding.index} ({n} skipped so far; inf/NaN in {where}); loss scale now "
                     f"{scales}{tail}", logging.WARNING)
 
@@ -340,6 +431,8 @@ class AmpHandle:
             if saved_level != self.config.opt_level:
                 self.log(0, f"ampinit: loading state saved at opt_level {saved_level} into "
                             f"opt_level {self.config.opt_level}", logging.WARNING)
+        for binding in self._bindings:
+            binding.resolve_fused_steps(wait=True)  # settle what earlier steps owe first
         for key, scaler in zip(expected, self.loss_scalers):
             scaler.load_state_dict(state_dict[key])
         for binding, counts in zip(self._bindings, counters or []):

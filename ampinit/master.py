@@ -15,6 +15,11 @@ Gradient flow, per ``scale_loss``:
    unscaled into the masters (written, or added to what earlier losses left there), and
    checked for inf/NaN into ``found_inf``, through the ops facade.
 
+With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
+model's scaled gradients (one read-only pass) and leaves them where they are, with the inverse
+scale they need (``deferred``): the optimizer's kernel reads them directly.  A second backward
+before ``step`` first unscales the deferred gradients into the masters, and goes on as above.
+
 Nothing here reads a device value on the host.
 """
 
@@ -74,6 +79,13 @@ class OptimizerMasters:
         # every step (glibc hands large blocks back to the OS).  Peak memory is unchanged:
         # the master gradients exist at every step's peak anyway.
         self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
+        # Fused optimizers: master -> scaled model gradient, still to be unscaled by the kernel.
+        self.fused = bool(getattr(optimizer, "_ampinit_fused", False))
+        self.deferred: Dict[torch.Tensor, torch.Tensor] = {}
+        self.deferred_inv_scale: Optional[torch.Tensor] = None
+        # Per-tensor inf/NaN flags of this step's checks (fused optimizers only), with the model
+        # params they belong to: the skip is decided on the device, its diagnostics read later.
+        self.overflow_records: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
 
     # -- construction -------------------------------------------------------------------
     def _master_for(self, param: torch.Tensor) -> torch.Tensor:
@@ -136,6 +148,8 @@ class OptimizerMasters:
         """Make room for one loss's scaled gradients (see the module docstring)."""
         if self.pending_scaled:
             return  # a delayed backward's scaled gradients are still accumulating
+        if self.deferred:
+            self._materialize_deferred()
         for model, master in self.pairs():
             if model is master:
                 if model.grad is not None:
@@ -152,7 +166,8 @@ class OptimizerMasters:
 
     def unscale_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Unscale the new gradients into the masters, flagging inf/NaN in ``found_inf``."""
-        write_in, write_out, add_in, add_out = [], [], [], []
+        write_in, write_out, write_models, add_in, add_out = [], [], [], [], []
+        check_in, check_models = [], []
         for model, master in self.pairs():
             grad = model.grad
             if grad is None:
@@ -166,24 +181,54 @@ class OptimizerMasters:
                 if stashed is None:
                     write_in.append(grad)
                     write_out.append(grad)
+                    write_models.append(model)
                 else:
                     add_in.append(grad)
                     add_out.append(stashed)
                     model.grad = stashed
+            elif master.grad is None and self.fused:
+                self.deferred[master] = grad
+                check_in.append(grad)
+                check_models.append(model)
             elif master.grad is None:
                 master.grad = self._grad_buffer(master)
                 write_in.append(grad)
                 write_out.append(master.grad)
+                write_models.append(model)
             else:
                 add_in.append(grad)
                 add_out.append(master.grad)
         self._stash.clear()
         if write_in:
-            ops.unscale_(write_in, write_out, inv_scale, found_inf)
+            flags = self._overflow_flags(write_models, found_inf.device)
+            ops.unscale_(write_in, write_out, inv_scale, found_inf, flags)
         if add_in:
             ops.accumulate_unscaled_(add_in, add_out, inv_scale, found_inf)
+        if check_in:
+            ops.check_finite_(check_in, found_inf, self._overflow_flags(check_models, found_inf.device))
+            self.deferred_inv_scale = inv_scale
         self.pending_scaled = False
         self.unscaled_since_step = True
+
+    def _overflow_flags(self, models: List[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+        """A per-tensor flag tensor for the check of ``models``' gradients (fused optimizers only:
+        the others find the culprits after a skip, when the gradients are still there)."""
+        if not self.fused:
+            return None
+        flags = torch.zeros(len(models), device=device)
+        self.overflow_records.append((flags, models))
+        return flags
+
+    def _materialize_deferred(self) -> None:
+        """Unscale the deferred gradients into the masters' buffers (a second backward before
+        step() is about to add to them).  They were already checked."""
+        masters = list(self.deferred)
+        for master in masters:
+            master.grad = self._grad_buffer(master)
+        scratch = torch.zeros_like(self.found_inf)
+        ops.unscale_([self.deferred[m] for m in masters], [m.grad for m in masters],
+                     self.deferred_inv_scale, scratch)
+        self.deferred.clear()
 
     def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
         buffer = self._grad_buffers.get(master)
@@ -214,6 +259,7 @@ class OptimizerMasters:
             else:
                 model.grad.detach_().zero_()
         self._stash.clear()
+        self.deferred.clear()
         self.pending_scaled = False
 
     def drop_all_grads(self) -> None:
@@ -222,8 +268,11 @@ class OptimizerMasters:
             model.grad = None
             master.grad = None
         self._stash.clear()
+        self.deferred.clear()
         self.pending_scaled = False
 
     def end_step(self) -> None:
         self.found_inf.zero_()
         self.unscaled_since_step = False
+        self.deferred_inv_scale = None
+        self.overflow_records = []

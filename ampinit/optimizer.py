@@ -41,7 +41,8 @@ class _AmpOptimizerMixin:
         into the model.
 
         Synchronises with the device once: reading the step's ``found_inf`` flag decides
-        whether to skip.  Steps after no ``scale_loss`` do not synchronise.
+        whether to skip.  Steps after no ``scale_loss`` do not synchronise, and neither do
+        the fused optimizers of ``ampinit.optim``, which skip on the device.
         """
         binding = binding_of(self)
         if binding is None:  # ended after an LR scheduler wrapped this bound method
@@ -50,6 +51,9 @@ class _AmpOptimizerMixin:
             raise RuntimeError("ampinit does not support optimizer.step(closure): compute the "
                                "loss and call scale_loss(...).backward() before step()")
         binding.check_ready_for_step()
+        if binding.masters.fused:  # ampinit.optim: the skip is decided on the device
+            binding.fused_step()
+            return None
         if binding.masters.unscaled_since_step and bool(binding.masters.found_inf.item()):
             binding.skip_step()
             return None
