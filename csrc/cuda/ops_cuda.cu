@@ -489,33 +489,6 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
-                           const std::vector<at::TensorList>& states, at::TensorList steps, at::TensorList models,
-                           const at::Device& device) {
-  check_same_length(op, "params", params.size(), "grads", grads.size());
-  check_same_length(op, "params", params.size(), "steps", steps.size());
-  for (const auto& state : states) check_same_length(op, "params", params.size(), "optimizer state", state.size());
-  TORCH_CHECK(models.empty() || models.size() == params.size(), "ampinit.", op,
-              ": model_params must be empty or have one entry per param");
-  for (size_t i = 0; i < params.size(); ++i) {
-    std::vector<at::Tensor> row = {params[i], grads[i]};
-    for (const auto& state : states) row.push_back(state[i]);
-    if (!models.empty()) row.push_back(models[i]);
-    check_row(op, i, row, device);
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "ampinit.", op, ": param ", i, " is ",
-                params[i].scalar_type(), "; the fused optimizers update float32 params (keep low-precision "
-                "models behind ampinit.initialize's FP32 master weights)");
-    for (const auto& state : states) {
-      TORCH_CHECK(state[i].scalar_type() == at::kFloat, "ampinit.", op, ": optimizer state ", i, " must be float32");
-    }
-    if (!models.empty()) {
-      TORCH_CHECK(models[i].scalar_type() != at::kFloat && !models[i].is_same(params[i]), "ampinit.", op,
-                  ": model_params[", i, "] must be a float16/bfloat16 tensor distinct from the param");
-    }
-    check_flag(op, "steps[i]", steps[i], device);
-  }
-}
-
 // steps[i] += 1 unless found_inf, on the device.
 void advance_steps(at::TensorList steps, const at::Tensor& found_inf) {
   std::vector<int32_t> indices(steps.size());
