@@ -2,7 +2,12 @@
 
 Everything here is done with removable module hooks: the model's ``forward`` is never
 replaced, so the hooks survive ``DataParallel`` replication and ``DistributedDataParallel``
-wrapping, and :class:`ModelCasting.remove` undoes them.
+wrapping, and :meth:`ModelCasting.remove` undoes them.
+
+The hooks are small picklable objects that hold no reference to an optimizer or to ampinit's
+state, so an initialized model can be pickled (``torch.save(model)``) and deep-copied (an EMA
+copy) on its own.  A copy keeps the casting behaviour: its inputs are cast to its parameters'
+dtype and its outputs to FP32, and O1/O4 copies autocast their forward.
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ class _AutocastScope:
         self.policies = policies
         self._local = threading.local()
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     def _stack(self) -> list:
         if not hasattr(self._local, "stack"):
             self._local.stack = []
@@ -69,6 +81,47 @@ class _AutocastScope:
                 context.__exit__(None, None, None)
 
 
+class _CastInputs:
+    """Forward pre-hook: floating-point inputs take the dtype of the parameter ``probe``
+    (the dtype the model was cast to; a copy cast back to FP32 gets FP32 inputs)."""
+
+    def __init__(self, probe: str, dtype: torch.dtype):
+        self.probe = probe
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        dtype = self.dtype
+        if self.probe:
+            try:
+                dtype = module.get_parameter(self.probe).dtype
+            except AttributeError:  # the parameter is gone (a pruned copy): keep the cast dtype
+                pass
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+
+class _EnterAutocast:
+    def __init__(self, scope: _AutocastScope):
+        self.scope = scope
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.scope.enter()
+
+
+class _LeaveForward:
+    """Forward hook (always called): leave autocast, cast floating-point outputs."""
+
+    def __init__(self, scope: Optional[_AutocastScope], output_dtype: Optional[torch.dtype]):
+        self.scope = scope
+        self.output_dtype = output_dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any):
+        if self.scope is not None:
+            self.scope.exit()
+        if self.output_dtype is not None and output is not None:
+            return cast_floating(output, self.output_dtype)
+        return None
+
+
 class ModelCasting:
     """The casting of one model by one ``initialize`` call: which tensors were cast from
     which dtype, and the hooks installed.  :meth:`remove` undoes the hooks."""
@@ -77,48 +130,40 @@ class ModelCasting:
                  keep_batchnorm_fp32: bool, autocast_dtype: Optional[torch.dtype],
                  cast_model_outputs: Optional[torch.dtype]):
         self.model = model
+        self.cast_model_type = cast_model_type
         self.original_dtypes: Dict[torch.Tensor, torch.dtype] = {}
-        self._hooks = []
         low_precision = cast_model_type in (torch.float16, torch.bfloat16)
         if cast_model_type is not None:
             for tensor in plan_model_cast(model, cast_model_type, bool(keep_batchnorm_fp32)):
                 self.original_dtypes[tensor] = tensor.dtype
-        self.cast_model_type = cast_model_type
-        self._scope = None
+        self._pre_hook: Any = None
         if autocast_dtype is not None:
-            self._scope = _AutocastScope(device_type, autocast_dtype, registry.torch_policies())
-            self._hooks.append(model.register_forward_pre_hook(self._enter_autocast))
+            scope = _AutocastScope(device_type, autocast_dtype, registry.torch_policies())
+            self._pre_hook = _EnterAutocast(scope)
         elif low_precision:
-            self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
-        output_dtype = cast_model_outputs
-        if output_dtype is None and low_precision:
-            output_dtype = torch.float32
-        self.output_dtype = output_dtype
-        if self._scope is not None or output_dtype is not None:
-            self._hooks.append(model.register_forward_hook(self._leave_forward, always_call=True))
+            cast_params = {id(t) for t in self.original_dtypes if isinstance(t, nn.Parameter)}
+            probe = next((name for name, p in model.named_parameters() if id(p) in cast_params), "")
+            self._pre_hook = _CastInputs(probe, cast_model_type)
+        self._post_hook = _LeaveForward(getattr(self._pre_hook, "scope", None), cast_model_outputs) \
+            if autocast_dtype is not None or cast_model_outputs is not None else None
+        self._handles: list = []
 
     def apply(self) -> None:
-        """Cast the planned parameters and buffers in place (their identities are kept)."""
+        """Cast the planned parameters and buffers in place (their identities are kept) and
+        install the hooks."""
         with torch.no_grad():
             for tensor in self.original_dtypes:
                 tensor.data = tensor.data.to(self.cast_model_type)
                 if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
                     tensor.grad = tensor.grad.to(self.cast_model_type)
-
-    def _cast_inputs(self, module, args, kwargs):
-        return cast_floating(args, self.cast_model_type), cast_floating(kwargs, self.cast_model_type)
-
-    def _enter_autocast(self, module, args):
-        self._scope.enter()
-
-    def _leave_forward(self, module, args, output):
-        if self._scope is not None:
-            self._scope.exit()
-        if self.output_dtype is not None and output is not None:
-            return cast_floating(output, self.output_dtype)
-        return None
+        if isinstance(self._pre_hook, _CastInputs):
+            self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        elif self._pre_hook is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._pre_hook))
+        if self._post_hook is not None:
+            self._handles.append(self.model.register_forward_hook(self._post_hook, always_call=True))
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

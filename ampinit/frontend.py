@@ -52,18 +52,35 @@ def _remember(handle: Any) -> None:
     _most_recent_slot = weakref.ref(handle) if isinstance(handle, AmpHandle) else handle
 
 
-def _as_list(value: Any, kind: type, name: str) -> Tuple[List[Any], bool]:
-    is_list = isinstance(value, (list, tuple))
-    items = list(value) if is_list else [value]
+def _as_list(value: Any, name: str, check: Any) -> Tuple[List[Any], Optional[type]]:
+    """``value`` as a list, and the container type it came in (``None`` for a single item)."""
+    container = type(value) if isinstance(value, (list, tuple)) else None
+    items = list(value) if container is not None else [value]
     if not items:
         raise ValueError(f"{name} is an empty list")
     for item in items:
-        if not isinstance(item, kind):
-            raise TypeError(f"{name} must be a {kind.__name__} or a list of them; got "
-                            f"{type(item).__name__}")
+        check(item)
     if len({id(item) for item in items}) != len(items):
         raise ValueError(f"the same object appears twice in {name}")
-    return items, is_list
+    return items, container
+
+
+def _check_model_type(item: Any) -> None:
+    if not isinstance(item, nn.Module):
+        raise TypeError(f"models must be a torch.nn.Module or a list of them; got {type(item).__name__}")
+
+
+def _check_optimizer_type(item: Any) -> None:
+    if amp_optimizer.inner_optimizer(item) is None:
+        raise TypeError(f"optimizers must be a torch.optim.Optimizer (or a LARC-style wrapper of one that "
+                        f"shares its param_groups), or a list of them; got {type(item).__name__}")
+
+
+def _shaped(items: List[Any], container: Optional[type]) -> Any:
+    """``items`` in the shape they were passed in: one item, a list or a tuple."""
+    if container is None:
+        return items[0]
+    return tuple(items) if issubclass(container, tuple) else items
 
 
 def _model_device(models: Sequence[nn.Module]) -> torch.device:
@@ -96,12 +113,19 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
                                "ampinit.end(model) before initializing it again")
 
 
-def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
+def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch.device, config: AmpConfig) -> None:
     seen = set()
     for opt in optimizers:
         if amp_optimizer.binding_of(opt) is not None:
             raise RuntimeError("this optimizer is already initialized by ampinit; call "
                                "ampinit.end(optimizer) before initializing it again")
+        delegate = amp_optimizer.delegating_optimizer(opt)
+        if delegate is not None and config.master_weights:
+            raise ValueError(
+                f"{type(opt).__name__} steps an optimizer of its own ({type(delegate).__name__}) over parameters "
+                f"it keeps itself, so it would never update the FP32 master weights that opt_level="
+                f"{config.opt_level!r} puts in its param_groups.  Use O1 (or O4) with it, or shard with FSDP2 "
+                "(fully_shard with MixedPrecisionPolicy) and ampinit's O0 + loss_scale='dynamic'")
         for group in opt.param_groups:
             for param in group["params"]:
                 if id(param) in seen:
@@ -124,7 +148,10 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
                loss_scale: Union[float, str, None] = None,
                cast_model_outputs: Union[torch.dtype, str, None] = None,
                num_losses: int = 1, verbosity: int = 1,
-               min_loss_scale: Optional[float] = None, max_loss_scale: float = 2. ** 24) -> Any:
+               min_loss_scale: Optional[float] = None, max_loss_scale: float = 2. ** 24, *,
+               init_scale: Optional[float] = None, growth_interval: Optional[int] = None,
+               growth_factor: Optional[float] = None, backoff_factor: Optional[float] = None,
+               hysteresis: Optional[int] = None) -> Any:
     """Prepare models and optimizers for mixed precision (apex's signature and levels).
 
     Args:
@@ -139,10 +166,15 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
         num_losses: independent loss scalers, picked with ``scale_loss(..., loss_id=i)``.
         verbosity: 0 silent, 1 level and overflow messages, 2 more (through ``logging``).
         min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.
+        init_scale, growth_interval, growth_factor, backoff_factor, hysteresis: the dynamic loss
+            scale's first value (2**16), clean backwards between growths (2000), its growth and
+            back-off factors (2, 0.5) and the overflows tolerated before a back-off (1), as
+            torch.amp's ``GradScaler`` names them (apex's defaults).
 
     Returns:
-        ``models`` or ``(models, optimizers)``: the same objects, set up in place.  The
-        optimizer's ``amp`` attribute is this initialization's :class:`~ampinit.AmpHandle`.
+        ``models`` or ``(models, optimizers)``: the same objects, set up in place, in the shape
+        they were passed (one object, a list or a tuple).  The optimizer's ``amp`` attribute is
+        this initialization's :class:`~ampinit.AmpHandle`.
 
     Raises ``TypeError``/``ValueError``/``RuntimeError`` on bad input before changing anything.
     """
@@ -151,23 +183,25 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
                             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                             loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
                             num_losses=num_losses, verbosity=verbosity,
-                            min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
-    model_list, models_is_list = _as_list(models, nn.Module, "models")
-    opt_list, opts_is_list = ([], False) if optimizers is None else \
-        _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+                            min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                            init_scale=init_scale, growth_interval=growth_interval, growth_factor=growth_factor,
+                            backoff_factor=backoff_factor, hysteresis=hysteresis)
+    model_list, model_shape = _as_list(models, "models", _check_model_type)
+    opt_list, opt_shape = ([], None) if optimizers is None else \
+        _as_list(optimizers, "optimizers", _check_optimizer_type)
     if not config.enabled:
         _remember(_DisabledInitialization(config))
         return models if optimizers is None else (models, optimizers)
     _check_models(model_list, config)
     device = _model_device(model_list)
-    _check_optimizers(opt_list, device)
+    inner = [amp_optimizer.inner_optimizer(opt) for opt in opt_list]
+    _check_optimizers(inner, device, config)
 
-    handle = AmpHandle(config, model_list, opt_list, device)
+    handle = AmpHandle(config, model_list, inner, device)
     _remember(handle)
-    out_models = model_list if models_is_list else model_list[0]
     if optimizers is None:
-        return out_models
-    return out_models, (opt_list if opts_is_list else opt_list[0])
+        return _shaped(model_list, model_shape)
+    return _shaped(model_list, model_shape), _shaped(opt_list, opt_shape)
 
 
 @contextlib.contextmanager
@@ -187,13 +221,16 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model: Optional
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         raise TypeError(f"scale_loss needs the loss as a floating-point tensor; got "
                         f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else loss.dtype}")
-    opt_list, _ = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    opt_list, _ = _as_list(optimizers, "optimizers", _check_optimizer_type)
     if not isinstance(delay_unscale, bool):
         raise TypeError(f"delay_unscale must be a bool; got {type(delay_unscale).__name__}")
     bindings = [amp_optimizer.binding_of(opt) for opt in opt_list]
     if all(b is None for b in bindings) and isinstance(_most_recent(), _DisabledInitialization):
         yield loss
         return
+    if any(b is None and amp_optimizer.was_ended(opt) for b, opt in zip(bindings, opt_list)):
+        raise RuntimeError("scale_loss got an optimizer whose ampinit initialization was ended by "
+                           "ampinit.end(); call ampinit.initialize again to train it with ampinit")
     if any(b is None for b in bindings):
         raise RuntimeError("scale_loss got an optimizer that ampinit.initialize did not return: "
                            "call `model, optimizer = ampinit.initialize(model, optimizer, "
@@ -218,7 +255,7 @@ def handle_of(obj: Any = None) -> AmpHandle:
         if isinstance(handle, _DisabledInitialization):
             raise RuntimeError("the most recent ampinit.initialize had enabled=False")
         return handle
-    if isinstance(obj, torch.optim.Optimizer):
+    if amp_optimizer.inner_optimizer(obj) is not None:
         binding = amp_optimizer.binding_of(obj)
         if binding is not None:
             return binding.handle
@@ -235,10 +272,16 @@ def handle_of(obj: Any = None) -> AmpHandle:
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates: FP32 masters where there are any (apex API).
-    Clip these, not the model's parameters."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    Clip these, not the model's parameters: their ``.grad`` is the unscaled gradient.  With a
+    fused optimizer (``ampinit.optim``) this unscales the gradients the kernel would otherwise
+    read scaled from the model, into the masters' ``.grad``."""
+    inner = amp_optimizer.inner_optimizer(optimizer)
+    if inner is None:
         raise TypeError(f"master_params takes an optimizer; got {type(optimizer).__name__}")
-    for group in optimizer.param_groups:
+    binding = amp_optimizer.binding_of(inner)
+    if binding is not None:
+        binding.flow.materialize_deferred()
+    for group in inner.param_groups:
         yield from group["params"]
 
 

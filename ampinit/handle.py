@@ -1,13 +1,14 @@
 """``AmpHandle``: everything one ``initialize`` call set up, owned by objects the user holds.
 
-The handle is reachable from the optimizer (``optimizer.amp``) and from the model (through
-its hooks); module-level state holds at most a weak reference to the latest one, so any
-number of initializations coexist and a dropped model frees its handle.  :meth:`AmpHandle.end` undoes an initialization.
+The handle is reachable from the optimizer (``optimizer.amp``) and from the model (through a
+link that copies and pickles as a dead link, so a deep copy of the model does not drag the
+optimizer along); module-level state holds at most a weak reference to the latest one, so any
+number of initializations coexist and a dropped model frees its handle.
+:meth:`AmpHandle.end` undoes an initialization.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -17,212 +18,86 @@ from torch import nn
 
 from . import distributed
 from . import optimizer as amp_optimizer
+from .binding import OptimizerBinding
 from .casting import ModelCasting
-from .master import OptimizerMasters
+from .grads import BackwardWatch, GradientFlow
+from .masters import MasterWeights
 from .opt_levels import AmpConfig
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle"]
+__all__ = ["AmpHandle", "handle_of_model"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _HandleLink:
+    """The model's reference to its handle.  A copy or an unpickled model gets a dead link:
+    it is not initialized, and its copy does not hold the optimizer."""
+
+    def __init__(self, handle: Optional["AmpHandle"] = None):
+        self.handle = handle
+
+    def __reduce__(self):
+        return (_HandleLink, ())
+
+    def __deepcopy__(self, memo: dict) -> "_HandleLink":
+        return _HandleLink()
+
+    def __copy__(self) -> "_HandleLink":
+        return _HandleLink()
 
 
 def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
-    return model.__dict__.get(_MODEL_ATTR)
+    link = model.__dict__.get(_MODEL_ATTR)
+    return link.handle if isinstance(link, _HandleLink) else None
 
 
-class OptimizerBinding:
-    """One optimizer's link to its handle: masters, found-inf flag, step counters."""
+class _SaveFP32Values:
+    """``model.state_dict()`` hook of one module: cast tensors report their FP32 values (the
+    masters), in their original dtypes.  On a copy of the model (dead link) they report their
+    own values in those dtypes."""
 
-    def __init__(self, handle: "AmpHandle", optimizer: torch.optim.Optimizer, masters: OptimizerMasters,
-                 index: int):
-        self.handle = handle
-        self.optimizer = optimizer
-        self.masters = masters
-        self.index = index
-        self.steps = 0
-        self._skipped_steps = 0
-        self._last_overflow_step: Optional[int] = None
-        self._last_overflow_params: List[str] = []
-        self.skips_at_floor = 0      # consecutive skips leaving every scaler involved at its floor
-        self.loss_ids_since_step: set = set()
-        # Fused optimizers decide the skip on the device.  Each step's flags are copied to the
-        # host without waiting; the counters above catch up when the copy has landed (checked
-        # at the next step) or when someone reads them (a sync then).
-        self._unresolved: collections.deque = collections.deque()
+    def __init__(self, link: _HandleLink, original_dtypes: Dict[str, torch.dtype]):
+        self.link = link
+        self.original_dtypes = original_dtypes
 
-    # Counters that fused steps may still owe: reading them settles every step so far.
-    @property
-    def skipped_steps(self) -> int:
-        self.resolve_fused_steps(wait=True)
-        return self._skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._skipped_steps = value
-
-    @property
-    def last_overflow_step(self) -> Optional[int]:
-        self.resolve_fused_steps(wait=True)
-        return self._last_overflow_step
-
-    @last_overflow_step.setter
-    def last_overflow_step(self, value: Optional[int]) -> None:
-        self._last_overflow_step = value
-
-    @property
-    def last_overflow_params(self) -> List[str]:
-        self.resolve_fused_steps(wait=True)
-        return self._last_overflow_params
-
-    @last_overflow_params.setter
-    def last_overflow_params(self, value: List[str]) -> None:
-        self._last_overflow_params = value
-
-    def check_ready_for_step(self) -> None:
-        if self.masters.pending_scaled:
-            raise RuntimeError(
-                "optimizer.step() was called while gradients are still scaled: the last "
-                "scale_loss used delay_unscale=True.  Pass delay_unscale=False to the last "
-                "scale_loss before step()")
-        if not self.masters.unscaled_since_step:
-            for model, master in self.masters.pairs():
-                if model is not master and model.grad is not None and master.grad is None:
-                    raise RuntimeError(
-                        "optimizer.step() found gradients on the model's low-precision "
-                        "parameters but none on the FP32 master weights it updates: run the "
-                        "backward inside `with ampinit.scale_loss(loss, optimizer) as "
-                        "scaled_loss: scaled_loss.backward()`")
-
-    def nonfinite_param_names(self) -> List[str]:
-        """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
-        over the gradients and one sync: called only when a step is skipped."""
-        names, flags = [], []
-        for model, master in self.masters.pairs():
-            grad = master.grad if master.grad is not None else model.grad
-            if grad is None:
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        handle = self.link.handle
+        for name, dtype in self.original_dtypes.items():
+            key = prefix + name
+            if key not in state_dict:
                 continue
-            grad = distributed.local(grad)  # FSDP2: this rank's shard
-            values = grad._values() if grad.is_sparse else grad
-            names.append(self.handle.param_name(model))
-            flags.append(torch.logical_not(torch.isfinite(values).all()))
-        if not flags:
-            return []
-        return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
+            value = handle.fp32_value(_local_tensor(module, name)) if handle is not None else None
+            state_dict[key] = (state_dict[key] if value is None else value.detach()).to(dtype)
 
-    def skip_step(self) -> None:
-        """Skip this step: record which parameters overflowed, drop every gradient, and
-        raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
-        names = self.nonfinite_param_names()
-        loss_ids = set(self.loss_ids_since_step)
-        step = self.steps
-        self.steps += 1
-        self.masters.drop_all_grads()
-        self._end_step()
-        self._count_skip(step, names, loss_ids)
 
-    def fused_step(self) -> None:
-        """step() of a fused optimizer: the kernel reads the scaled model gradients, skips on
-        found_inf by itself and writes the model weights.  No host sync; the skip is counted
-        once its flag reaches the host (:meth:`resolve_fused_steps`)."""
-        self.resolve_fused_steps(wait=False)
-        masters = self.masters
-        if masters.unscaled_since_step:
-            self.optimizer._amp_update(masters.found_inf, masters.deferred_inv_scale, masters.deferred,
-                                       masters._model_of)
-            self._unresolved.append(self._flags_on_host())
-        else:  # no scale_loss since the last step: plain gradients, nothing to skip
-            self.optimizer._amp_update(model_of=masters._model_of)
-            self.skips_at_floor = 0
-        self.steps += 1
-        # The step may have been skipped, which only the device knows: no gradient of it may
-        # be added to the next one, so they are all dropped, as after a skip.
-        masters.drop_all_grads()
-        self._end_step()
+class _LoadFP32Values:
+    """``model.load_state_dict()`` hook of one module: cast tensors load their FP32 values too,
+    so a checkpoint's full-precision values are not lost to the model's rounding."""
 
-    def _flags_on_host(self):
-        """This step's found_inf and per-tensor flags, copied to the host without waiting."""
-        flags = [self.masters.found_inf] + [f for f, _ in self.masters.overflow_records]
-        models = [m for _, ms in self.masters.overflow_records for m in ms]
-        packed = torch.cat(flags)
-        event = None
-        if packed.is_cuda:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = packed
-        return self.steps, set(self.loss_ids_since_step), models, host, event
+    def __init__(self, link: _HandleLink, names: List[str]):
+        self.link = link
+        self.names = names
 
-    def resolve_fused_steps(self, wait: bool) -> None:
-        """Count the skipped fused steps whose flags have reached the host (all of them, if
-        ``wait``: a sync).  Raises like :meth:`skip_step` on persistent inf/NaN."""
-        while self._unresolved:
-            step, loss_ids, models, host, event = self._unresolved[0]
-            if event is not None and not event.query():
-                if not wait:
-                    return
-                event.synchronize()
-            self._unresolved.popleft()
-            values = host.tolist()
-            if values[0] == 0.0:
-                self.skips_at_floor = 0
-                continue
-            names = [self.handle.param_name(m) for m, bad in zip(models, values[1:]) if bad]
-            self._count_skip(step, names, loss_ids)
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        handle = self.link.handle
+        if handle is None:
+            return
+        for name in self.names:
+            value = state_dict.get(prefix + name)
+            tensor = _local_tensor(module, name)
+            if tensor is not None and isinstance(value, torch.Tensor):
+                handle.load_fp32_value(tensor, value)
 
-    def _count_skip(self, step: int, names: List[str], loss_ids: set) -> None:
-        self._last_overflow_step = step
-        self._last_overflow_params = names
-        self._skipped_steps += 1
-        at_floor = all(self.handle.loss_scalers[i].at_floor() for i in loss_ids)
-        self.skips_at_floor = self.skips_at_floor + 1 if at_floor else 0
-        self.handle.report_skip(self)
-        limit = self.handle.max_skips_at_floor
-        if limit is not None and self.skips_at_floor >= limit:
-            raise RuntimeError(
-                f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped "
-                "with the loss scale at its floor: these gradients are not overflowing, they "
-                "are inf/NaN at any scale, which points at a bug (NaN in the data, the loss or "
-                f"the model).  Non-finite gradients in: {', '.join(self._last_overflow_params) or 'none found'}. "
-                "To allow more such steps, set optimizer.amp.max_skips_at_floor (None disables this check)")
 
-    def after_step(self) -> None:
-        self.steps += 1
-        self.skips_at_floor = 0
-        self.masters.copy_masters_to_model()
-        self._end_step()
-
-    def _end_step(self) -> None:
-        self.masters.end_step()
-        self.loss_ids_since_step.clear()
-
-    def discard_step(self) -> None:
-        """Forget the overflow state of gradients that zero_grad() just discarded."""
-        self._end_step()
-
-    def add_param_group(self, param_group: dict, base_add: Callable[[dict], None]) -> None:
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}")
-        params = param_group.get("params")
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        known = {id(model) for model, _ in self.masters.pairs()}
-        for param in params:
-            if id(param) in known:
-                raise ValueError("some parameters appear in more than one parameter group")
-            self.handle.check_param_device(param)
-        wrapped = dict(param_group, params=self.masters.wrap_params(params))
-        try:
-            base_add(wrapped)
-        except Exception:
-            for param in params:
-                self.masters.forget(param)
-            raise
+def _local_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    tensor = module._parameters.get(name)
+    return module._buffers.get(name) if tensor is None else tensor
 
 
 class AmpHandle:
@@ -230,8 +105,12 @@ class AmpHandle:
 
     Attributes:
         config: the resolved :class:`~ampinit.AmpConfig`.
-        models, optimizers: what was initialized (the same objects the user holds).
+        models, optimizers: what was initialized (the same objects the user holds; a LARC-style
+            wrapper appears as the optimizer inside it).
         loss_scalers: one :class:`~ampinit.LossScaler` per loss (``num_losses``).
+
+    Construction validates everything that can fail before it changes the model or the
+    optimizers.
     """
 
     def __init__(self, config: AmpConfig, models: Sequence[nn.Module],
@@ -241,13 +120,23 @@ class AmpHandle:
         self.models = list(models)
         self.optimizers = list(optimizers)
         self.ended = False
+        self._bindings: List[OptimizerBinding] = []
+        self._hooks: list = []
+        self._optimizer_hooks: Dict[int, list] = {}
+        self.masters: Optional[MasterWeights] = None
         # step() raises after this many consecutive skipped steps that leave every loss scale
         # involved at its floor (a static scale always is): an inf/NaN that survives the
         # smallest scale is a bug, not an overflow.  None disables the check.  Settable:
         # ``optimizer.amp.max_skips_at_floor = 100``.
         self.max_skips_at_floor: Optional[int] = DEFAULT_MAX_SKIPS_AT_FLOOR
-        self._shard_groups = distributed.shard_groups(
-            p for m in self.models for p in m.parameters())
+        # -- everything that can fail, before anything changes --------------------------------------
+        self.loss_scalers = [
+            LossScaler(config.loss_scale, device=device, init_scale=config.init_scale,
+                       growth_factor=config.growth_factor, backoff_factor=config.backoff_factor,
+                       growth_interval=config.growth_interval, hysteresis=config.hysteresis,
+                       min_loss_scale=config.min_loss_scale, max_loss_scale=config.max_loss_scale)
+            for _ in range(config.num_losses)]
+        self._shard_groups = distributed.shard_groups(p for m in self.models for p in m.parameters())
         self._param_names = {p: (f"{name}" if len(models) == 1 else f"models[{i}].{name}")
                              for i, m in enumerate(models) for name, p in m.named_parameters()}
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
@@ -255,34 +144,56 @@ class AmpHandle:
                                        autocast_dtype=config.autocast_dtype,
                                        cast_model_outputs=config.cast_model_outputs)
                           for m in self.models]
-        # Masters start from the FP32 values.  Casting gives each parameter new storage and
-        # leaves the old FP32 storage untouched, so views of it taken now become the masters:
-        # no copy, and no moment with two FP32 copies of the model in memory.
-        fp32_values = {t: t.detach() for c in self._castings for t in c.original_dtypes
-                       if isinstance(t, nn.Parameter) and t.dtype == torch.float32} \
-            if config.master_weights else {}
-        for casting in self._castings:
-            casting.apply()
-        self._bindings: List[OptimizerBinding] = []
-        for index, opt in enumerate(self.optimizers):
-            masters = OptimizerMasters(opt, config.master_weights, device, fp32_values)
-            masters.install()
-            binding = OptimizerBinding(self, opt, masters, index)
-            amp_optimizer.attach(opt, binding)
-            self._bindings.append(binding)
-        del fp32_values
-        self.loss_scalers = [LossScaler(config.loss_scale, device=device,
-                                        min_loss_scale=config.min_loss_scale,
-                                        max_loss_scale=config.max_loss_scale)
-                             for _ in range(config.num_losses)]
-        self._state_dict_hooks = [h for m in self.models for h in self._install_state_dict_hooks(m)]
-        for model in self.models:
-            model.__dict__[_MODEL_ATTR] = self
+        self._link = _HandleLink(self)
+        try:
+            self._apply()
+        except BaseException:
+            self.end()
+            raise
         self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
         self.log(2, f"ampinit: {sum(len(c.original_dtypes) for c in self._castings)} tensors cast, "
-                    f"{sum(len(b.masters.master_of) for b in self._bindings)} FP32 masters, "
+                    f"{len(self.masters.tensors()) if self.masters else 0} FP32 masters, "
                     f"{len(self.loss_scalers)} loss scaler(s), "
                     f"{len(self._shard_groups)} shard group(s) for found_inf agreement", logging.DEBUG)
+
+    def _apply(self) -> None:
+        config = self.config
+        original = {t: d for c in self._castings for t, d in c.original_dtypes.items()}
+        if config.master_weights:
+            # Casting gives each tensor new storage and leaves the old one untouched, so views of
+            # it taken now become the FP32 values: no copy, and no moment with two FP32 copies.
+            # ``.data``, not ``.detach()``: a view with a version counter of its own, so that
+            # writing a master does not count as modifying the model parameter autograd saved.
+            fp32 = {t: (t.data if t.dtype == torch.float32 else t.data.float()) for t in original}
+            names = dict(self._param_names)
+            names.update({b: n for m in self.models for n, b in m.named_buffers()})
+            self.masters = MasterWeights(fp32, {t: config.cast_model_type for t in original}, names)
+        for casting in self._castings:
+            casting.apply()
+        for index, opt in enumerate(self.optimizers):
+            flow = GradientFlow(opt, self.masters, self.device, bool(getattr(opt, "_ampinit_fused", False)),
+                                self.param_name)
+            binding = OptimizerBinding(self, opt, flow, index)
+            self._install_masters(opt)
+            self._optimizer_hooks[id(opt)] = amp_optimizer.attach(opt, binding)
+            self._bindings.append(binding)
+        for model in self.models:
+            self._hooks.extend(self._install_state_dict_hooks(model, original))
+            model.__dict__[_MODEL_ATTR] = self._link
+
+    def _install_masters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put masters into ``param_groups`` and move existing optimizer state onto them."""
+        if self.masters is None:
+            return
+        mapping = {}
+        for group in optimizer.param_groups:
+            params = []
+            for param in group["params"]:
+                if param.dtype in _LOW_PRECISION:
+                    mapping[param] = self.masters.take(param)
+                params.append(mapping.get(param, param))
+            group["params"] = params
+        _remap_state(optimizer, mapping, torch.float32)
 
     # -- logging --------------------------------------------------------------------------------
     def log(self, min_verbosity: int, message: str, level: int = logging.INFO) -> None:
@@ -339,16 +250,15 @@ class AmpHandle:
         return binding
 
     def master_params(self) -> Iterator[torch.Tensor]:
-        for opt in self.optimizers:
-            for group in opt.param_groups:
+        for binding in self._bindings:
+            binding.flow.materialize_deferred()
+            for group in binding.optimizer.param_groups:
                 yield from group["params"]
 
-    def check_param_device(self, param: torch.Tensor) -> None:
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(f"optimizer parameters must be tensors; got {type(param).__name__}")
-        if param.device != self.device:
-            raise ValueError(f"parameter on {param.device}, but this initialization runs on "
-                             f"{self.device}: move it there first")
+    def _master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The FP32 master of a model parameter, or ``None``."""
+        master = self.masters.master_of(param) if self.masters is not None else None
+        return master if isinstance(master, nn.Parameter) else None
 
     def _check_loss_id(self, loss_id: Any) -> int:
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) \
@@ -362,32 +272,112 @@ class AmpHandle:
     def scale_loss(self, loss: torch.Tensor, bindings: Sequence[OptimizerBinding], loss_id: int,
                    delay_unscale: bool) -> Iterator[torch.Tensor]:
         """See :func:`ampinit.scale_loss`.  No host synchronisation."""
-        self._check_not_ended()
+        self.check_not_ended()
         scaler = self.loss_scalers[self._check_loss_id(loss_id)]
-        for binding in bindings:
-            binding.masters.prepare_backward()
+        flows = [binding.flow for binding in bindings]
+        for flow in flows:
+            flow.check_usable()
+            if flow.in_scale_loss:
+                raise RuntimeError("scale_loss calls can't be nested: the inner backward's gradients would be "
+                                   "unscaled with the outer loss's.  Finish one `with scale_loss(...)` block "
+                                   "before the next, or add the losses and scale their sum")
+            flow.check_can_join(loss_id, scaler.updates)
+        scaled = scaler.scale(loss)
+        watch = BackwardWatch(scaled)
+        if self.masters is not None:
+            self.masters.sync([m for flow in flows for m in flow.models()])
+        for flow in flows:
+            flow.prepare_backward()
+            flow.in_scale_loss = True
         try:
-            yield scaler.scale(loss)
+            yield scaled
         except BaseException:
-            for binding in bindings:
-                binding.masters.restore_after_failed_backward()
+            for flow in flows:
+                flow.abandon_backward(reached=watch.reached)
             raise
+        finally:
+            for flow in flows:
+                flow.in_scale_loss = False
+        if not watch.reached:  # no backward through the scaled loss: nothing to unscale
+            unscaled = any(flow.pending is None and any(model.grad is not None for model, _ in flow.pairs())
+                           for flow in flows)
+            for flow in flows:
+                flow.abandon_backward(reached=False)
+            if unscaled:
+                raise RuntimeError(
+                    "inside `with ampinit.scale_loss(loss, optimizer) as scaled_loss:` gradients were computed, "
+                    "but not through scaled_loss: call scaled_loss.backward(), not loss.backward()")
+            return
         if delay_unscale:
-            for binding in bindings:
-                binding.masters.pending_scaled = True
+            for flow in flows:
+                flow.delay(loss_id, scaler.updates)
             return
         scaler.found_inf.zero_()
         inv_scale = scaler.inv_scale()
-        for binding in bindings:
-            binding.masters.unscale_grads(inv_scale, scaler.found_inf)
+        for flow in flows:
+            flow.unscale(inv_scale, scaler.found_inf)
         if self._shard_groups:  # each rank checked only its shard: agree before deciding
             distributed.all_reduce_found_inf_(scaler.found_inf, self._shard_groups)
         for binding in bindings:
-            torch.maximum(binding.masters.found_inf, scaler.found_inf, out=binding.masters.found_inf)
+            torch.maximum(binding.flow.found_inf, scaler.found_inf, out=binding.flow.found_inf)
             binding.loss_ids_since_step.add(loss_id)
         scaler.update()
 
+    # -- parameters added later -----------------------------------------------------------------
+    def add_param_group(self, binding: OptimizerBinding, param_group: Any,
+                        base_add: Callable[[dict], None]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        known = {id(model) for b in self._bindings for model, _ in b.flow.pairs()}
+        for param in params:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"optimizer parameters must be tensors; got {type(param).__name__}")
+            if id(param) in known:
+                raise ValueError("some parameters appear in more than one parameter group")
+            if param.device != self.device:
+                raise ValueError(f"parameter on {param.device}, but this initialization runs on "
+                                 f"{self.device}: move it there first")
+        use_masters = self.masters is not None
+        new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
+        masters = {p: self.masters.take(p) for p in new}
+        try:
+            base_add(dict(param_group, params=[masters.get(p, p) for p in params]))
+        except BaseException:
+            for param in new:
+                self.masters.release(param)
+            raise
+
     # -- checkpoints ----------------------------------------------------------------------------
+    def fp32_value(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The FP32 value of a cast tensor, with writes to the model adopted first."""
+        if self.masters is None or tensor is None or tensor not in self.masters:
+            return None
+        self.masters.sync([tensor])
+        return self.masters.master_of(tensor)
+
+    def load_fp32_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        master = self.masters.master_of(tensor) if self.masters is not None else None
+        if master is not None and value.shape == master.shape:
+            with torch.no_grad():
+                master.copy_(value)
+            self.masters.mark_loaded([tensor])
+
+    def _install_state_dict_hooks(self, model: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> list:
+        """``model.state_dict()`` reports the FP32 values of cast tensors in their original
+        dtypes; ``model.load_state_dict()`` writes the FP32 values too."""
+        hooks = []
+        for module in model.modules():
+            owned = {name: t for name, t in list(module._parameters.items()) + list(module._buffers.items())
+                     if t is not None and t in original}
+            if not owned:
+                continue
+            save = _SaveFP32Values(self._link, {name: original[t] for name, t in owned.items()})
+            hooks.append(module.register_state_dict_post_hook(save))
+            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, list(owned))))
+        return hooks
+
     def state_dict(self) -> Dict[str, Any]:
         """apex's layout (``loss_scaler0``, ``loss_scaler1``, ...) plus an ``ampinit`` entry
         with the options and step counters.  Synchronises with the device."""
@@ -404,12 +394,13 @@ class AmpHandle:
     def load_state_dict(self, state_dict: Any) -> None:
         """Restore :meth:`state_dict` output or an apex ``amp.state_dict()``.
 
-        Everything is validated before anything changes: a mismatched checkpoint raises
-        ``ValueError`` and leaves this handle as it was.
+        Everything is validated before anything changes: a mismatched or malformed checkpoint
+        raises ``ValueError`` and leaves this handle as it was.  A dynamic scale outside
+        ``[min_loss_scale, max_loss_scale]`` is clamped into it with a warning.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"amp state_dict must be a dict; got {type(state_dict).__name__}")
-        scaler_keys = sorted((k for k in state_dict if k.startswith("loss_scaler")),
+        scaler_keys = sorted((k for k in state_dict if isinstance(k, str) and k.startswith("loss_scaler")),
                              key=lambda k: (len(k), k))
         expected = [f"loss_scaler{i}" for i in range(len(self.loss_scalers))]
         if scaler_keys != expected:
@@ -418,96 +409,112 @@ class AmpHandle:
                              "initialize with the num_losses the checkpoint was saved with")
         for key in expected:
             LossScaler.check_state_dict(state_dict[key], key)
-        extra = state_dict.get("ampinit")
-        counters = None
-        if extra is not None:
-            if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
-                raise ValueError(f"unsupported ampinit state version in checkpoint: {extra!r:.80}")
-            counters = extra.get("optimizers", [])
-            if len(counters) != len(self._bindings):
-                raise ValueError(f"checkpoint has state for {len(counters)} optimizer(s), this "
-                                 f"initialization has {len(self._bindings)}")
-            saved_level = extra.get("config", {}).get("opt_level")
-            if saved_level != self.config.opt_level:
-                self.log(0, f"ampinit: loading state saved at opt_level {saved_level} into "
-                            f"opt_level {self.config.opt_level}", logging.WARNING)
+        counters = self._check_counters(state_dict.get("ampinit"))
         for binding in self._bindings:
             binding.resolve_fused_steps(wait=True)  # settle what earlier steps owe first
         for key, scaler in zip(expected, self.loss_scalers):
             scaler.load_state_dict(state_dict[key])
         for binding, counts in zip(self._bindings, counters or []):
-            binding.steps = int(counts.get("steps", 0))
-            binding.skipped_steps = int(counts.get("skipped_steps", 0))
-            binding.last_overflow_step = counts.get("last_overflow_step")
-            binding.skips_at_floor = int(counts.get("skips_at_floor", 0))
+            binding.steps = counts["steps"]
+            binding.skipped_steps = counts["skipped_steps"]
+            binding.last_overflow_step = counts["last_overflow_step"]
+            binding.skips_at_floor = counts["skips_at_floor"]
 
-    def _master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        for binding in self._bindings:
-            master = binding.masters.master_of.get(param)
-            if master is not None:
-                return master
-        return None
-
-    def _install_state_dict_hooks(self, model: nn.Module):
-        """``model.state_dict()`` reports the FP32 masters (and the original dtypes of cast
-        tensors); ``model.load_state_dict()`` writes the masters too."""
-        original = {}
-        for casting in self._castings:
-            original.update(casting.original_dtypes)
-        master_of = self._master_of
-
-        def save_hook(module, state_dict, prefix, local_metadata):
-            for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
-                key = prefix + name
-                if tensor is None or key not in state_dict:
+    def _check_counters(self, extra: Any) -> Optional[List[Dict[str, Any]]]:
+        """The ``ampinit`` section of a checkpoint, validated (``None`` for apex's)."""
+        if extra is None:
+            return None
+        if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported ampinit state version in checkpoint: {extra!r:.80}")
+        config = extra.get("config", {})
+        counters = extra.get("optimizers", [])
+        if not isinstance(config, dict) or not isinstance(counters, list):
+            raise ValueError("the checkpoint's ampinit section is malformed: 'config' must be a dict and "
+                             "'optimizers' a list")
+        if len(counters) != len(self._bindings):
+            raise ValueError(f"checkpoint has state for {len(counters)} optimizer(s), this "
+                             f"initialization has {len(self._bindings)}")
+        checked = []
+        for index, counts in enumerate(counters):
+            if not isinstance(counts, dict):
+                raise ValueError(f"the checkpoint's ampinit counters of optimizer {index} must be a dict; got "
+                                 f"{type(counts).__name__}")
+            entry = {}
+            for key in ("steps", "skipped_steps", "skips_at_floor", "last_overflow_step"):
+                value = counts.get(key, None if key == "last_overflow_step" else 0)
+                if key == "last_overflow_step" and value is None:
+                    entry[key] = None
                     continue
-                master = master_of(tensor)
-                if master is not None:
-                    state_dict[key] = master.detach()
-                elif tensor in original:
-                    state_dict[key] = state_dict[key].to(original[tensor])
-
-        def load_hook(module, state_dict, prefix, *args):
-            with torch.no_grad():
-                for name, param in module._parameters.items():
-                    master = master_of(param)
-                    value = state_dict.get(prefix + name)
-                    if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
-                        master.copy_(value)
-
-        hooks = []
-        for module in model.modules():
-            owned = list(module._parameters.values()) + list(module._buffers.values())
-            if any(t is not None and (t in original or master_of(t) is not None) for t in owned):
-                hooks.append(module.register_state_dict_post_hook(save_hook))
-                hooks.append(module.register_load_state_dict_pre_hook(load_hook))
-        return hooks
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
+                    raise ValueError(f"the checkpoint's ampinit counter {key} of optimizer {index} must be an "
+                                     f"int >= 0; got {value!r}")
+                entry[key] = value
+            checked.append(entry)
+        saved_level = config.get("opt_level")
+        if saved_level is not None and saved_level != self.config.opt_level:
+            self.log(0, f"ampinit: loading state saved at opt_level {saved_level} into "
+                        f"opt_level {self.config.opt_level}", logging.WARNING)
+        return checked
 
     # -- ending -----------------------------------------------------------------------------------
-    def _check_not_ended(self) -> None:
+    def check_not_ended(self) -> None:
         if self.ended:
-            raise RuntimeError("this ampinit initialization has ended; call ampinit.initialize again")
+            raise RuntimeError("this ampinit initialization has ended (ampinit.end); call ampinit.initialize again")
 
     def end(self) -> None:
         """Undo this initialization: hooks removed, optimizers back to their own class with
         the model parameters in ``param_groups``, and every cast tensor back to its original
-        dtype (parameters take their FP32 master values).  Idempotent."""
+        dtype (taking its FP32 value, the master's for a parameter).  Idempotent."""
         if self.ended:
             return
+        self.ended = True
         for binding in self._bindings:
-            binding.masters.uninstall()
-            amp_optimizer.detach(binding.optimizer)
-        for hook in self._state_dict_hooks:
+            _uninstall_masters(binding)
+            amp_optimizer.detach(binding.optimizer, self._optimizer_hooks.pop(id(binding.optimizer), []))
+        for hook in self._hooks:
             hook.remove()
+        if self.masters is not None:
+            self.masters.restore()
         with torch.no_grad():
             for casting in self._castings:
                 casting.remove()
                 for tensor, dtype in casting.original_dtypes.items():
                     if tensor.dtype != dtype:
                         tensor.data = tensor.data.to(dtype)
-                        if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
-                            tensor.grad = tensor.grad.to(dtype)
+                    if isinstance(tensor, nn.Parameter) and tensor.grad is not None and tensor.grad.dtype != dtype:
+                        tensor.grad = tensor.grad.to(dtype)
         for model in self.models:
-            model.__dict__.pop(_MODEL_ATTR, None)
-        self.ended = True
+            if model.__dict__.get(_MODEL_ATTR) is self._link:
+                del model.__dict__[_MODEL_ATTR]
+        self._link.handle = None
         self.log(1, f"ampinit: ended opt_level {self.config.opt_level} initialization")
+
+
+def _remap_state(optimizer: torch.optim.Optimizer, mapping: Dict[torch.Tensor, torch.Tensor],
+                 dtype: Optional[torch.dtype]) -> None:
+    """Move optimizer state from ``mapping``'s keys to its values, floating-point entries
+    (but ``step``) cast to ``dtype`` (default: the new key's dtype)."""
+    state = optimizer.state
+    for old, new in mapping.items():
+        if old in state:
+            entry = state.pop(old)
+            state[new] = {k: v.to(dtype or new.dtype)
+                          if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                          for k, v in entry.items()}
+
+
+def _uninstall_masters(binding: OptimizerBinding) -> None:
+    """Model parameters take their places back in ``param_groups`` (with their masters' gradients,
+    in FP32 until the cast is undone); optimizer state follows them."""
+    model_of = {master: model for model, master in binding.flow.distinct_pairs()}
+    if not model_of:
+        return
+    binding.flow.materialize_deferred()
+    with torch.no_grad():
+        for master, model in model_of.items():
+            model.grad = None
+            model.data = master.data
+            model.grad = master.grad
+    for group in binding.optimizer.param_groups:
+        group["params"] = [model_of.get(p, p) for p in group["params"]]
+    _remap_state(binding.optimizer, model_of, None)

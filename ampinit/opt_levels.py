@@ -34,7 +34,9 @@ class AmpConfig:
 
     Attributes mirror apex's ``opt_properties``; ``autocast_dtype`` is the dtype O1-style
     autocast runs in (float16 for O1, bfloat16 for O4) and is ``None`` when
-    ``patch_torch_functions`` is off.
+    ``patch_torch_functions`` is off.  ``init_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval`` and ``hysteresis`` drive the dynamic loss scale (torch.amp's
+    ``GradScaler`` names; apex's defaults).
     """
 
     opt_level: str
@@ -50,6 +52,11 @@ class AmpConfig:
     verbosity: int = 1
     min_loss_scale: Optional[float] = None
     max_loss_scale: float = 2.0 ** 24
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -70,21 +77,33 @@ class AmpConfig:
 
 
 # apex's table, row for row; O4/O5 are the bf16 levels of ROCm apex.  Dtype-less fields keep
-# the dataclass defaults.
+# the dataclass defaults.  One deliberate difference: O1/O4 cast the model's floating-point
+# outputs to FP32 (apex left them in fp16), so a loss computed from them outside the model
+# runs in FP32, as apex's patched loss functions did.
 OPT_LEVELS = {
     "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
                keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
     "O1": dict(cast_model_type=None, patch_torch_functions=True, autocast_dtype=torch.float16,
-               keep_batchnorm_fp32=None, master_weights=False, loss_scale="dynamic"),
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale="dynamic",
+               cast_model_outputs=torch.float32),
     "O2": dict(cast_model_type=torch.float16, patch_torch_functions=False,
-               keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
+               keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic",
+               cast_model_outputs=torch.float32),
     "O3": dict(cast_model_type=torch.float16, patch_torch_functions=False,
-               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0,
+               cast_model_outputs=torch.float32),
     "O4": dict(cast_model_type=None, patch_torch_functions=True, autocast_dtype=torch.bfloat16,
-               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0,
+               cast_model_outputs=torch.float32),
     "O5": dict(cast_model_type=torch.bfloat16, patch_torch_functions=False,
-               keep_batchnorm_fp32=True, master_weights=True, loss_scale=1.0),
+               keep_batchnorm_fp32=True, master_weights=True, loss_scale=1.0,
+               cast_model_outputs=torch.float32),
 }
+
+# The largest float32: a scale (or a loss times it) beyond it is inf.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_UNSET = object()  # an override the caller did not pass
+_NO_CAST = object()  # apex's cast_model_type=False: "do not cast"
 
 
 def _parse_bool(name: str, value: Any) -> Optional[bool]:
@@ -95,45 +114,61 @@ def _parse_bool(name: str, value: Any) -> Optional[bool]:
     raise ValueError(f"{name} must be True, False, None or the strings 'True'/'False'; got {value!r}")
 
 
-def _parse_dtype(name: str, value: Any) -> Optional[torch.dtype]:
+def _parse_dtype(name: str, value: Any) -> Any:
+    if value is False or value == "False":
+        if name == "cast_model_type":
+            return _NO_CAST
+        raise ValueError(f"{name}=False is not a dtype; pass None to keep the level's default")
     if value is None or isinstance(value, torch.dtype):
         dtype = value
     elif isinstance(value, str) and value.replace("torch.", "") in _DTYPE_NAMES:
         dtype = _DTYPE_NAMES[value.replace("torch.", "")]
     else:
         raise ValueError(f"{name} must be a torch dtype (torch.float16, torch.bfloat16, "
-                         f"torch.float32) or None; got {value!r}")
+                         f"torch.float32), None or False; got {value!r}")
     if dtype is not None and dtype not in (torch.float32, *_LOW_PRECISION):
         raise ValueError(f"{name} must be torch.float16, torch.bfloat16 or torch.float32; got {dtype}")
     return dtype
 
 
-def _parse_loss_scale(value: Any) -> LossScale:
+def _number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool = False) -> float:
+    """A finite float32-representable number above ``minimum`` (apex's argparse strings too)."""
     if isinstance(value, str):
-        if value == "dynamic":
-            return value
         try:
             value = float(value)
         except ValueError:
-            raise ValueError(f"loss_scale must be 'dynamic' or a positive number; got {value!r}") from None
+            raise ValueError(f"{name} must be a number; got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"loss_scale must be 'dynamic' or a positive number; got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"loss_scale must be finite and > 0; got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be a number; got {value!r}")
+    value = float(value)
+    above = value >= minimum if inclusive else value > minimum
+    if not (math.isfinite(value) and above):
+        raise ValueError(f"{name} must be finite and {'>=' if inclusive else '>'} {minimum:g}; got {value!r}")
+    if value > _FLOAT32_MAX:
+        raise ValueError(f"{name}={value:g} does not fit in float32 (largest {_FLOAT32_MAX:.4g}), where ampinit "
+                         "keeps it; use a smaller value")
+    return value
+
+
+def _parse_loss_scale(value: Any) -> LossScale:
+    if value == "dynamic":
+        return value
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            raise ValueError(f"loss_scale must be 'dynamic' or a positive number; got {value!r}") from None
+    return _number("loss_scale", value)
 
 
 def _parse_optional_scale(name: str, value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a positive number or None; got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-        raise ValueError(f"{name} must be a positive number or None; got {value!r}")
-    return float(value)
+    return None if value is None else _number(name, value)
+
+
+def _parse_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2 ** 31:
+        raise ValueError(f"{name} must be an int in [{minimum}, 2**31); got {value!r}")
+    return value
 
 
 def _check_opt_level(opt_level: Any) -> str:
@@ -151,11 +186,15 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
                    patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
                    master_weights: Any = None, loss_scale: Any = None,
                    cast_model_outputs: Any = None, num_losses: Any = 1, verbosity: Any = 1,
-                   min_loss_scale: Any = None, max_loss_scale: Any = 2.0 ** 24) -> AmpConfig:
+                   min_loss_scale: Any = None, max_loss_scale: Any = 2.0 ** 24, init_scale: Any = None,
+                   growth_factor: Any = None, backoff_factor: Any = None, growth_interval: Any = None,
+                   hysteresis: Any = None) -> AmpConfig:
     """Build the :class:`AmpConfig` for ``opt_level`` with apex-style overrides.
 
-    ``None`` means "keep the preset's value" for every overridable property, as in apex.
-    Raises ``TypeError``/``ValueError`` naming the offending argument.
+    ``None`` means "keep the preset's value" for every overridable property, as in apex;
+    ``cast_model_type=False`` means "do not cast" (apex's code), which also drops the level's
+    master weights and batch-norm rule.  Raises ``TypeError``/``ValueError`` naming the
+    offending argument.
     """
     enabled = _parse_bool("enabled", enabled)
     if enabled is None:
@@ -163,41 +202,72 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
     level = _check_opt_level(opt_level)
     props = dict(OPT_LEVELS[level])
 
+    cast = _parse_dtype("cast_model_type", cast_model_type)
     overrides = {
-        "cast_model_type": _parse_dtype("cast_model_type", cast_model_type),
+        "cast_model_type": None if cast is _NO_CAST else cast,
         "patch_torch_functions": _parse_bool("patch_torch_functions", patch_torch_functions),
         "keep_batchnorm_fp32": _parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32),
         "master_weights": _parse_bool("master_weights", master_weights),
         "loss_scale": None if loss_scale is None else _parse_loss_scale(loss_scale),
+        "cast_model_outputs": _parse_dtype("cast_model_outputs", cast_model_outputs),
     }
     for key, value in overrides.items():
         if value is not None:
             props[key] = value
+    if cast is _NO_CAST:
+        props["cast_model_type"] = None
     if props["patch_torch_functions"] and props.get("autocast_dtype") is None:
         props["autocast_dtype"] = torch.float16  # apex's O1 autocasts to fp16
     if not props["patch_torch_functions"]:
         props["autocast_dtype"] = None
+    if props["cast_model_type"] not in _LOW_PRECISION:
+        # The level's master weights and batch-norm rule are moot for a model that is not cast
+        # (apex ignored them); asking for them explicitly is an error (_check_consistent).
+        if master_weights is None:
+            props["master_weights"] = False
+        if keep_batchnorm_fp32 is None:
+            props["keep_batchnorm_fp32"] = None
+        if cast_model_outputs is None and props.get("autocast_dtype") is None:
+            props["cast_model_outputs"] = None
 
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1; got {num_losses!r}")
     if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
         raise ValueError(f"verbosity must be 0, 1 or 2; got {verbosity!r}")
+    scaling = {
+        "min_loss_scale": _parse_optional_scale("min_loss_scale", min_loss_scale),
+        "max_loss_scale": _parse_optional_scale("max_loss_scale", max_loss_scale) or 2.0 ** 24,
+    }
+    given = {}
+    if init_scale is not None:
+        given["init_scale"] = _number("init_scale", init_scale)
+    if growth_factor is not None:
+        given["growth_factor"] = _number("growth_factor", growth_factor, minimum=1.0, inclusive=True)
+    if backoff_factor is not None:
+        given["backoff_factor"] = _number("backoff_factor", backoff_factor)
+        if given["backoff_factor"] > 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1]; got {backoff_factor!r}")
+    if growth_interval is not None:
+        given["growth_interval"] = _parse_int("growth_interval", growth_interval, 1)
+    if hysteresis is not None:
+        given["hysteresis"] = _parse_int("hysteresis", hysteresis, 1)
 
-    config = AmpConfig(
-        opt_level=level, enabled=enabled,
-        cast_model_outputs=_parse_dtype("cast_model_outputs", cast_model_outputs),
-        num_losses=num_losses, verbosity=verbosity,
-        min_loss_scale=_parse_optional_scale("min_loss_scale", min_loss_scale),
-        max_loss_scale=_parse_optional_scale("max_loss_scale", max_loss_scale) or 2.0 ** 24,
-        **props,
-    )
-    _check_consistent(config)
+    config = AmpConfig(opt_level=level, enabled=enabled, num_losses=num_losses, verbosity=verbosity,
+                       **scaling, **given, **props)
+    _check_consistent(config, given)
     return config
 
 
-def _check_consistent(config: AmpConfig) -> None:
+def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
     """Reject property combinations that cannot mean what the user wants."""
     where = f"opt_level={config.opt_level!r}"
+    if dynamic_options and not config.dynamic_loss_scale:
+        raise ValueError(f"{where}: {', '.join(sorted(dynamic_options))} only apply to dynamic loss scaling, but "
+                         f"loss_scale={config.loss_scale}; pass loss_scale='dynamic' or drop them")
+    floor = config.min_loss_scale if config.min_loss_scale is not None else 0.0
+    if "init_scale" in dynamic_options and not floor <= config.init_scale <= config.max_loss_scale:
+        raise ValueError(f"init_scale={config.init_scale:g} is outside [min_loss_scale, max_loss_scale] = "
+                         f"[{floor:g}, {config.max_loss_scale:g}]")
     if config.patch_torch_functions and config.casts_model:
         raise ValueError(
             f"{where}: patch_torch_functions=True (O1-style autocast) with cast_model_type="

@@ -1,31 +1,68 @@
-"""The optimizer that ``initialize`` hands back.
+"""The optimizer that ``initialize`` hands back, and optimizers that wrap another one.
 
 It is the user's own optimizer object, its class swapped for a subclass made once per
 optimizer class (``isinstance`` checks, ``state_dict`` layouts, LR schedulers and step hooks
-all keep working).  The subclass adds the skip-on-overflow decision before ``step`` and the
-master -> model copy after it; ``AmpHandle.end`` swaps the original class back.
+all keep working).  The subclass's ``step`` asks the binding (``ampinit.binding``) whether to
+run the update and finishes the step after it; step hooks registered on the instance do the
+same for a ``step`` that bypasses the class.  ``zero_grad`` and ``add_param_group`` reach the
+masters.  ``AmpHandle.end`` swaps the original class back and removes the hooks.
+
+An object that is not a ``torch.optim.Optimizer`` but wraps one and shares its
+``param_groups`` (apex's LARC, or any "LARC-style" wrapper) is accepted wherever an optimizer
+is: ampinit binds the optimizer inside.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .handle import AmpHandle, OptimizerBinding
+    from .binding import OptimizerBinding
+    from .handle import AmpHandle
 
-__all__ = ["amp_optimizer_class", "binding_of"]
+__all__ = ["amp_optimizer_class", "binding_of", "inner_optimizer", "attach", "detach"]
 
-_STATE_ATTR = "_ampinit_binding"
-logger = logging.getLogger("ampinit")
+_BINDING_ATTR = "_ampinit_binding"
+_ENDED_ATTR = "_ampinit_ended"
+_WRAPPED_ATTRS = ("optim", "optimizer", "_optimizer")
 
 
-def binding_of(optimizer: Any) -> Optional["OptimizerBinding"]:
-    """The ampinit binding of ``optimizer``, or ``None`` if it was not initialized."""
-    return getattr(optimizer, "__dict__", {}).get(_STATE_ATTR)
+def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` that ``obj`` is, or that ``obj`` wraps while sharing its
+    ``param_groups`` (LARC-style); ``None`` for anything else."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj
+    for name in _WRAPPED_ATTRS:
+        inner = getattr(obj, name, None)
+        if isinstance(inner, torch.optim.Optimizer) and getattr(obj, "param_groups", None) is inner.param_groups:
+            return inner
+    return None
+
+
+def delegating_optimizer(optimizer: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
+    """An optimizer that ``optimizer`` steps with ``param_groups`` of its own
+    (``ZeroRedundancyOptimizer``, wrappers that shard or copy the parameters), else ``None``."""
+    for name in _WRAPPED_ATTRS:
+        inner = getattr(optimizer, name, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer \
+                and inner.param_groups is not optimizer.param_groups:
+            return inner
+    return None
+
+
+def binding_of(obj: Any) -> Optional["OptimizerBinding"]:
+    """The ampinit binding of an optimizer (or LARC-style wrapper), or ``None``."""
+    optimizer = inner_optimizer(obj)
+    return None if optimizer is None else optimizer.__dict__.get(_BINDING_ATTR)
+
+
+def was_ended(obj: Any) -> bool:
+    """Whether ``ampinit.end`` ended the initialization of this optimizer."""
+    optimizer = inner_optimizer(obj)
+    return optimizer is not None and bool(optimizer.__dict__.get(_ENDED_ATTR))
 
 
 class _AmpOptimizerMixin:
@@ -47,19 +84,19 @@ class _AmpOptimizerMixin:
         binding = binding_of(self)
         if binding is None:  # ended after an LR scheduler wrapped this bound method
             return type(self).step(self, closure)
-        if closure is not None:
-            raise RuntimeError("ampinit does not support optimizer.step(closure): compute the "
-                               "loss and call scale_loss(...).backward() before step()")
-        binding.check_ready_for_step()
-        if binding.masters.fused:  # ampinit.optim: the skip is decided on the device
-            binding.fused_step()
-            return None
-        if binding.masters.unscaled_since_step and bool(binding.masters.found_inf.item()):
-            binding.skip_step()
-            return None
-        result = super().step()
-        binding.after_step()
-        return result
+        _reject_closure(closure)
+        binding.stepping = True
+        try:
+            if not binding.begin_step():
+                return None
+            if binding.flow.fused:
+                self.__dict__["_ampinit_step_inputs"] = binding.fused_inputs()
+            result = super().step()
+            binding.finish_step()
+            return result
+        finally:
+            self.__dict__.pop("_ampinit_step_inputs", None)
+            binding.stepping = False
 
     # Tell torch's Optimizer._patch_step_function (run again by load_state_dict) that this
     # step is already hooked: it calls the base class's hooked step, so step hooks run once.
@@ -72,7 +109,7 @@ class _AmpOptimizerMixin:
         super().zero_grad(set_to_none=set_to_none)
         binding = binding_of(self)
         if binding is not None:
-            binding.masters.zero_model_grads(set_to_none)
+            binding.flow.zero_grad(set_to_none)
             binding.discard_step()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -80,7 +117,27 @@ class _AmpOptimizerMixin:
         binding = binding_of(self)
         if binding is None:
             return super().add_param_group(param_group)
-        binding.add_param_group(param_group, super().add_param_group)
+        binding.handle.add_param_group(binding, param_group, super().add_param_group)
+
+
+def _reject_closure(closure: Any) -> None:
+    if closure is not None:
+        raise RuntimeError("ampinit does not support optimizer.step(closure): compute the loss and run "
+                           "scale_loss(...).backward() before step()")
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    binding = optimizer.__dict__.get(_BINDING_ATTR)
+    if binding is None or binding.stepping:
+        return
+    _reject_closure(args[1] if len(args) > 1 else kwargs.get("closure"))  # args[0] is the optimizer
+    binding.hooked_step_begins()
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    binding = optimizer.__dict__.get(_BINDING_ATTR)
+    if binding is not None:
+        binding.hooked_step_ends()
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,11 +148,23 @@ def amp_optimizer_class(base: type) -> type:
                  "_ampinit_base": base})
 
 
-def attach(optimizer: torch.optim.Optimizer, binding: "OptimizerBinding") -> None:
-    optimizer.__dict__[_STATE_ATTR] = binding
+def attach(optimizer: torch.optim.Optimizer, binding: "OptimizerBinding") -> list:
+    """Bind ``optimizer``; returns the hook handles that :func:`detach` removes."""
+    optimizer.__dict__.pop(_ENDED_ATTR, None)
+    optimizer.__dict__[_BINDING_ATTR] = binding
     optimizer.__class__ = amp_optimizer_class(type(optimizer))
+    pre = optimizer.register_step_pre_hook(_step_pre_hook)
+    post = optimizer.register_step_post_hook(_step_post_hook)
+    # Ours run before hooks registered earlier: a post hook (an EMA of the model, say) must see
+    # the model weights this step wrote.  torch has no prepend= for optimizer hooks.
+    optimizer._optimizer_step_pre_hooks.move_to_end(pre.id, last=False)
+    optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
+    return [pre, post]
 
 
-def detach(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.__dict__.pop(_STATE_ATTR, None)
+def detach(optimizer: torch.optim.Optimizer, hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
+    optimizer.__dict__.pop(_BINDING_ATTR, None)
+    optimizer.__dict__[_ENDED_ATTR] = True
     optimizer.__class__ = optimizer.__class__._ampinit_base

@@ -8,6 +8,7 @@ Python numbers).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, Optional, Union
 
@@ -17,7 +18,10 @@ from . import ops
 
 __all__ = ["LossScaler"]
 
-_INT_STATE = ("unskipped", "hysteresis_left", "overflows")
+logger = logging.getLogger("ampinit")
+# Counters in a checkpoint, with the largest value their device tensors hold.
+_INT_STATE = {"unskipped": 2 ** 31 - 1, "hysteresis_left": 2 ** 31 - 1, "overflows": 2 ** 63 - 1}
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class LossScaler:
@@ -44,8 +48,9 @@ class LossScaler:
         self.dynamic = loss_scale == "dynamic"
         if not self.dynamic:
             if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) \
-                    or not math.isfinite(loss_scale) or loss_scale <= 0:
-                raise ValueError(f"loss_scale must be 'dynamic' or a finite number > 0; got {loss_scale!r}")
+                    or not math.isfinite(loss_scale) or not 0 < loss_scale <= _FLOAT32_MAX:
+                raise ValueError(f"loss_scale must be 'dynamic' or a number in (0, {_FLOAT32_MAX:.4g}] "
+                                 f"(float32); got {loss_scale!r}")
             init_scale = float(loss_scale)
         if not (growth_factor >= 1.0 and 0.0 < backoff_factor <= 1.0):
             raise ValueError("growth_factor must be >= 1 and backoff_factor in (0, 1]; got "
@@ -73,6 +78,9 @@ class LossScaler:
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
         self._overflows = torch.zeros((1,), dtype=torch.int64, device=device)
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
+        # How many times update() ran: gradients scaled before an update can't be unscaled
+        # with the scale after it (delay_unscale across an update is refused).
+        self.updates = 0
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +113,7 @@ class LossScaler:
             growth, backoff, interval = self.growth_factor, self.backoff_factor, self.growth_interval
         else:
             growth, backoff, interval = 1.0, 1.0, 2 ** 31 - 1
+        self.updates += 1
         ops.update_scale_(self._scale, self._growth_tracker, self._hysteresis_tracker,
                           self._overflows, self.found_inf, growth_factor=growth,
                           backoff_factor=backoff, growth_interval=interval,
@@ -132,15 +141,30 @@ class LossScaler:
         scale = state["loss_scale"]
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"{name}: loss_scale must be a finite number > 0; got {scale!r}")
-        for key in _INT_STATE:
+        for key, largest in _INT_STATE.items():
             value = state.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: {key} must be an int >= 0; got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= largest:
+                raise ValueError(f"{name}: {key} must be an int in [0, {largest}]; got {value!r}")
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` output or from an apex checkpoint's scaler entry."""
+        """Restore from :meth:`state_dict` output or from an apex checkpoint's scaler entry.
+
+        A dynamic scale outside ``[min_loss_scale, max_loss_scale]`` (apex's scale could fall to
+        1e-205, apex #318) is clamped into it, with a warning.  A static scaler keeps the scale
+        it was configured with; a different one in the checkpoint is reported and ignored.
+        """
         self.check_state_dict(state)
-        self._scale.fill_(float(state["loss_scale"]))
+        scale = float(state["loss_scale"])
+        if self.dynamic:
+            clamped = min(max(scale, self.min_loss_scale), self.max_loss_scale)
+            if clamped != scale:
+                logger.warning("ampinit: the checkpoint's loss scale %g is outside [min_loss_scale, max_loss_scale] "
+                               "= [%g, %g]; continuing from %g", scale, self.min_loss_scale, self.max_loss_scale,
+                               clamped)
+            self._scale.fill_(clamped)
+        elif scale != self.loss_scale():
+            logger.warning("ampinit: the checkpoint's loss scale %g differs from the static loss_scale %g this "
+                           "initialization uses; keeping %g", scale, self.loss_scale(), self.loss_scale())
         self._growth_tracker.fill_(int(state["unskipped"]))
         self._hysteresis_tracker.fill_(int(state.get("hysteresis_left", self.hysteresis)))
         self._overflows.fill_(int(state.get("overflows", 0)))

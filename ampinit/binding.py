@@ -1,0 +1,243 @@
+"""One optimizer's step under ampinit: the skip decision, the master -> model copy, counters.
+
+The step must run however ``optimizer.step`` is reached, so it is driven from two places:
+
+- the optimizer's own class: ``initialize`` swaps it for a subclass (``ampinit.optimizer``)
+  whose ``step`` decides first and, on an overflow, does not call the real step at all;
+- torch's optimizer step hooks, for a ``step`` that bypasses that class: a wrapper stored on the
+  instance *before* ``initialize`` (an LR scheduler made first -- the HF Trainer, GNMT,
+  Lightning's ``configure_optimizers`` -- or a framework that saved the bound method).  torch
+  runs the hooks around the class's real step, whoever calls it.  There an overflowing step
+  drops every gradient before the real step runs, so it changes nothing.
+
+Whichever path runs, :meth:`OptimizerBinding.begin_step` and :meth:`OptimizerBinding.finish_step`
+do the work once per step.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+
+from . import distributed
+from .grads import GradientFlow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handle import AmpHandle
+
+__all__ = ["OptimizerBinding"]
+
+
+class OptimizerBinding:
+    """One optimizer's link to its :class:`~ampinit.AmpHandle`: gradients, skip decision and
+    step counters."""
+
+    def __init__(self, handle: "AmpHandle", optimizer: torch.optim.Optimizer, flow: GradientFlow, index: int):
+        self.handle = handle
+        self.optimizer = optimizer
+        self.flow = flow
+        self.index = index
+        self.steps = 0
+        self._skipped_steps = 0
+        self._last_overflow_step: Optional[int] = None
+        self._last_overflow_params: List[str] = []
+        self.skips_at_floor = 0      # consecutive skips leaving every scaler involved at its floor
+        self.loss_ids_since_step: set = set()
+        self.stepping = False        # inside the class's step: the hooks stand aside
+        self._hooked_step_due = False  # a hook-driven step began and has not finished
+        # Fused optimizers decide the skip on the device.  Each step's flags are copied to the
+        # host without waiting; the counters above catch up when the copy has landed (checked
+        # at the next step) or when someone reads them (a sync then).
+        self._unresolved: collections.deque = collections.deque()
+
+    # -- counters that fused steps may still owe: reading them settles every step so far ---------
+    @property
+    def skipped_steps(self) -> int:
+        self.resolve_fused_steps(wait=True)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
+
+    @property
+    def last_overflow_step(self) -> Optional[int]:
+        self.resolve_fused_steps(wait=True)
+        return self._last_overflow_step
+
+    @last_overflow_step.setter
+    def last_overflow_step(self, value: Optional[int]) -> None:
+        self._last_overflow_step = value
+
+    @property
+    def last_overflow_params(self) -> List[str]:
+        self.resolve_fused_steps(wait=True)
+        return self._last_overflow_params
+
+    @last_overflow_params.setter
+    def last_overflow_params(self, value: List[str]) -> None:
+        self._last_overflow_params = value
+
+    # -- the step ---------------------------------------------------------------------------------
+    def begin_step(self) -> bool:
+        """Everything before the optimizer's update: checks, the user's changes to the model
+        (cleared gradients, weights written from outside), and the skip decision.  Returns
+        whether the update runs.  Reads the overflow flag on the host (one sync) unless the
+        optimizer is fused or no ``scale_loss`` ran since the last step."""
+        self.handle.check_not_ended()
+        flow = self.flow
+        flow.check_ready_for_step()
+        if flow.masters is not None:
+            flow.masters.sync(flow.models())
+        if flow.fused:
+            self.resolve_fused_steps(wait=False)
+            return True
+        if flow.unscaled_since_step and bool(flow.found_inf.item()):
+            self.skip_step()
+            return False
+        return True
+
+    def fused_inputs(self) -> dict:
+        """What a fused optimizer's update reads besides ``param.grad`` (``_amp_update``'s
+        keyword arguments): the deferred scaled gradients, their inverse scale, the step's
+        overflow flag and the model parameters to write."""
+        flow = self.flow
+        model_of = {master: model for model, master in flow.distinct_pairs()}
+        if not flow.unscaled_since_step:  # no scale_loss since the last step: plain gradients
+            return {"model_of": model_of}
+        return {"found_inf": flow.found_inf, "inv_scale": flow.deferred_inv_scale,
+                "scaled_grads": flow.deferred, "model_of": model_of}
+
+    def finish_step(self) -> None:
+        """Everything after the optimizer's update."""
+        flow = self.flow
+        if flow.fused:
+            if flow.unscaled_since_step:
+                self._unresolved.append(self._flags_on_host())
+            else:
+                self.skips_at_floor = 0
+            # The step may have been skipped, which only the device knows: no gradient of it may
+            # be added to the next one, so they are all dropped, as after a skip.
+            flow.drop_all_grads()
+            if flow.masters is not None:
+                flow.masters.record(flow.models())  # the kernel wrote them
+        else:
+            self.skips_at_floor = 0
+            if flow.masters is not None:
+                flow.masters.copy_to_model([master for _, master in flow.distinct_pairs()])
+        self.steps += 1
+        self._end_step()
+
+    def skip_step(self) -> None:
+        """Skip this step: record which parameters overflowed, drop every gradient, and
+        raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
+        names = self.nonfinite_param_names()
+        loss_ids = set(self.loss_ids_since_step)
+        step = self.steps
+        self.steps += 1
+        self.flow.drop_all_grads()
+        self._end_step()
+        self._count_skip(step, names, loss_ids)
+
+    def _end_step(self) -> None:
+        self.flow.end_step()
+        self.loss_ids_since_step.clear()
+
+    def discard_step(self) -> None:
+        """``zero_grad()`` cleared this step's gradients: their overflow and loss ids go too."""
+        self.loss_ids_since_step.clear()
+
+    # -- hooks: the step reached without the class's step (see the module docstring) ------------
+    def hooked_step_begins(self) -> None:
+        if self.stepping:
+            return
+        self._hooked_step_due = self.begin_step()
+        if self._hooked_step_due and self.flow.fused:
+            self.optimizer.__dict__["_ampinit_step_inputs"] = self.fused_inputs()
+
+    def hooked_step_ends(self) -> None:
+        if self.stepping or not self._hooked_step_due:
+            return
+        self._hooked_step_due = False
+        self.optimizer.__dict__.pop("_ampinit_step_inputs", None)
+        self.finish_step()
+
+    # -- diagnostics ------------------------------------------------------------------------------
+    def nonfinite_param_names(self) -> List[str]:
+        """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
+        over the gradients and one sync: called only when a step is skipped."""
+        names, flags = [], []
+        for model, master in self.flow.pairs():
+            grad = master.grad if master.grad is not None else model.grad
+            if grad is None:
+                continue
+            grad = distributed.local(grad)  # FSDP2: this rank's shard
+            values = grad._values() if grad.is_sparse else grad
+            names.append(self.handle.param_name(model))
+            flags.append(torch.logical_not(torch.isfinite(values).all()))
+        if not flags:
+            return []
+        return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
+
+    def _flags_on_host(self):
+        """This step's found_inf and per-tensor flags, copied to the host without waiting.  The
+        event is recorded on the stream of the flags' device, which the copy is queued on."""
+        flow = self.flow
+        flags = [flow.found_inf] + [f for f, _ in flow.overflow_records]
+        models = [m for _, ms in flow.overflow_records for m in ms]
+        packed = torch.cat(flags)
+        event = None
+        if packed.is_cuda:
+            with torch.cuda.device(packed.device):
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(packed.device))
+        else:
+            host = packed
+        return self.steps, set(self.loss_ids_since_step), models, host, event
+
+    def resolve_fused_steps(self, wait: bool) -> None:
+        """Count the skipped fused steps whose flags have reached the host (all of them, if
+        ``wait``: a sync).  Raises like :meth:`skip_step` on persistent inf/NaN."""
+        while self._unresolved:
+            step, loss_ids, models, host, event = self._unresolved[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._unresolved.popleft()
+            values = host.tolist()
+            if values[0] == 0.0:
+                self.skips_at_floor = 0
+                continue
+            names = [self.handle.param_name(m) for m, bad in zip(models, values[1:]) if bad]
+            self._count_skip(step, names, loss_ids)
+
+    def _count_skip(self, step: int, names: List[str], loss_ids: set) -> None:
+        self._last_overflow_step = step
+        self._last_overflow_params = names
+        self._skipped_steps += 1
+        scalers = [self.handle.loss_scalers[i] for i in sorted(loss_ids)]
+        at_floor = all(s.at_floor() for s in scalers)
+        self.skips_at_floor = self.skips_at_floor + 1 if at_floor else 0
+        self.handle.report_skip(self)
+        limit = self.handle.max_skips_at_floor
+        if limit is not None and self.skips_at_floor >= limit:
+            raise RuntimeError(self._persistent_overflow_message(scalers))
+
+    def _persistent_overflow_message(self, scalers: List[Any]) -> str:
+        where = ", ".join(self._last_overflow_params) or "none found"
+        static = sorted({s.loss_scale() for s in scalers if not s.dynamic and s.loss_scale() > 1.0})
+        if static:
+            cause = (f"the static loss scale {static[-1]:g} may be too large for these gradients: lower "
+                     "loss_scale, or pass loss_scale='dynamic' to initialize.  If they are inf/NaN at any scale, "
+                     "look for NaN in the data, the loss or the model")
+        else:
+            cause = ("these gradients are not overflowing, they are inf/NaN at any scale, which points at a bug "
+                     "(NaN in the data, the loss or the model)")
+        return (f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped with the loss scale "
+                f"at its floor: {cause}.  Non-finite gradients in: {where}.  To allow more such steps, set "
+                "optimizer.amp.max_skips_at_floor (None disables this check)")

@@ -1,0 +1,356 @@
+"""The gradients of one optimizer's parameters through ``scale_loss``.
+
+Each parameter an optimizer updates is a pair ``(model_param, master)``.  With master weights
+the master is the FP32 ``nn.Parameter`` in ``param_groups`` and the optimizer reads
+``master.grad``; otherwise (O0, O1, O3, O4, and FP32 parameters at O2/O5) the pair is one tensor
+and ``param.grad`` is the gradient.  Either way the gradient the optimizer sees is *unscaled* and
+is exactly what an FP32 run would hold at that point: several losses before one ``step`` add
+up, ``zero_grad`` in any form clears it, and an exception inside ``scale_loss`` leaves it as it
+was.
+
+Per ``scale_loss``:
+
+1. :meth:`GradientFlow.prepare_backward` (entry, unless delayed scaled gradients are still
+   accumulating) moves every existing gradient out of the backward's way: a same-tensor pair's
+   unscaled gradient is stashed, a distinct pair's model gradient (already unscaled into the
+   master) is detached.  The new backward then produces only this loss's scaled gradients.
+2. :meth:`GradientFlow.unscale` (exit, unless ``delay_unscale``) unscales them into the
+   masters or onto the stashed gradients through the ops facade, checking for inf/NaN, and
+   puts back the stashed gradient of a parameter this loss did not reach.
+
+For a distinct pair the model parameter keeps the (scaled) gradient it got, as a *token*: if
+the user clears it (``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared
+too, if it is zeroed in place (``zero_grad(set_to_none=False)``) the master's is zeroed, and if
+it changes otherwise (a ``backward`` outside ``scale_loss``, clipping the model's gradients)
+``step`` raises: only the masters' gradients reach the optimizer.
+
+With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
+model's scaled gradients and leaves them to the optimizer's kernel (``deferred``), which
+unscales them itself; anything that needs the masters' gradients (a second backward,
+:func:`ampinit.master_params`) unscales them first.
+
+Nothing here reads a device value on the host, except when a token was changed in place,
+which costs one read to tell zeroing from a stray gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import ops
+from .distributed import local
+from .masters import MasterWeights
+
+__all__ = ["GradientFlow", "BackwardWatch"]
+
+# The token of a distinct pair whose model gradient scale_loss detached: none is expected.
+_DETACHED = (None, 0)
+
+
+class BackwardWatch:
+    """Tells whether a backward reached the scaled loss that ``scale_loss`` yielded."""
+
+    def __init__(self, scaled_loss: torch.Tensor):
+        self.reached = not scaled_loss.requires_grad  # nothing to watch: assume it was used
+        if scaled_loss.requires_grad:
+            scaled_loss.register_hook(self._reach)
+
+    def _reach(self, grad: torch.Tensor) -> None:
+        self.reached = True
+
+
+class _Pending:
+    """Scaled gradients of ``delay_unscale`` backwards, still on the model parameters."""
+
+    def __init__(self, loss_id: int, scaler_updates: int):
+        self.loss_id = loss_id
+        self.scaler_updates = scaler_updates
+
+
+class GradientFlow:
+    """The gradient state of one optimizer between two steps (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights], device: torch.device,
+                 fused: bool, name_of: Callable[[torch.Tensor], str]):
+        self.optimizer = optimizer
+        self.masters = masters
+        self.fused = fused
+        self._name_of = name_of
+        self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
+        self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
+        self.pending: Optional[_Pending] = None
+        self.broken: Optional[str] = None  # why the gradients of this step can't be trusted
+        self.in_scale_loss = False
+        self._stash: Dict[torch.Tensor, torch.Tensor] = {}
+        self._tokens: Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]] = {}
+        self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
+        self.deferred_inv_scale: Optional[torch.Tensor] = None
+        # Per-tensor inf/NaN flags of this step's checks (fused optimizers only), with the model
+        # params they belong to: the skip is decided on the device, its diagnostics read later.
+        self.overflow_records: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
+
+    # -- views ---------------------------------------------------------------------------------
+    def pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(model_param, master)`` for every parameter of the optimizer."""
+        model_of = self.masters.model_of if self.masters is not None else {}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                yield model_of.get(param, param), param
+
+    def distinct_pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        return ((model, master) for model, master in self.pairs() if model is not master)
+
+    def models(self) -> List[torch.Tensor]:
+        return [model for model, _ in self.pairs()]
+
+    # -- scale_loss entry ----------------------------------------------------------------------
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+
+    def check_can_join(self, loss_id: int, scaler_updates: int) -> None:
+        """A ``scale_loss`` may add to delayed scaled gradients only with the same scale."""
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.loss_id != loss_id:
+            raise RuntimeError(
+                f"scale_loss(..., loss_id={loss_id}) would add its gradients to gradients still scaled by "
+                f"loss_id {pending.loss_id}'s scale (that scale_loss used delay_unscale=True).  Use "
+                "delay_unscale=False on the last scale_loss of each loss_id before switching to another")
+        if pending.scaler_updates != scaler_updates:
+            raise RuntimeError(
+                f"loss_id {loss_id}'s scale changed (another optimizer's scale_loss unscaled with it) while this "
+                "optimizer's gradients were still scaled by the old one (delay_unscale=True).  Use "
+                "delay_unscale=False before the other optimizer's scale_loss")
+
+    def prepare_backward(self) -> None:
+        """Make room for one loss's scaled gradients (see the module docstring)."""
+        if self.pending is not None:
+            return
+        self.reconcile(at_step=False)
+        if self.deferred:
+            self.materialize_deferred()
+        for model, master in self.pairs():
+            if model is master:
+                if model.grad is not None:
+                    self._stash[model] = model.grad
+                    model.grad = None
+            else:
+                model.grad = None
+                self._tokens[model] = _DETACHED
+
+    def reconcile(self, at_step: bool) -> None:
+        """Carry what the user did to distinct pairs' model gradients since the last
+        ``scale_loss`` over to the masters (see the module docstring).  Raises if a gradient
+        reached a model parameter outside ``scale_loss``."""
+        touched, stray = [], []
+        for model, master in self.distinct_pairs():
+            expected, version = self._tokens.get(model, _DETACHED)
+            grad = model.grad
+            if grad is expected:
+                if grad is not None and grad._version != version:
+                    touched.append((model, master))
+            elif grad is None:  # cleared: p.grad = None, model.zero_grad()
+                self._clear_master_grad(master)
+                self._tokens.pop(model, None)
+            else:
+                stray.append(model)
+        if stray:
+            raise RuntimeError(self._stray_message(stray, at_step))
+        if touched:
+            # Zeroed in place, or changed otherwise: one host read tells which (rare).
+            nonzero = torch.stack([m.grad.ne(0).any() for m, _ in touched]).tolist()
+            bad = [model for (model, _), flag in zip(touched, nonzero) if flag]
+            if bad:
+                raise RuntimeError(self._stray_message(bad, at_step))
+            for model, master in touched:
+                self._zero_master_grad(master)
+                self._tokens[model] = (model.grad, model.grad._version)
+        if all(model.grad is None and master.grad is None and master not in self.deferred
+               for model, master in self.pairs()):
+            self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
+
+    def _stray_message(self, models: List[torch.Tensor], at_step: bool) -> str:
+        names = ", ".join(self._name_of(m) for m in models[:4]) + (" ..." if len(models) > 4 else "")
+        where = "optimizer.step()" if at_step else "scale_loss"
+        return (f"{where} found gradients on the model's low-precision parameters ({names}) that scale_loss did "
+                "not put there: a backward outside `with ampinit.scale_loss(loss, optimizer) as scaled_loss: "
+                "scaled_loss.backward()`, or an in-place change such as clipping model.parameters().  The optimizer "
+                "updates the FP32 master weights from their own gradients: run every backward inside scale_loss, "
+                "and clip ampinit.master_params(optimizer)")
+
+    def _park(self, model: torch.Tensor, master: torch.Tensor) -> None:
+        """Leave a token on a model parameter that has no gradient of its own but whose master
+        has one, so that clearing the model's gradients still reaches the master.  The token
+        is a zero broadcast from one element: it costs no memory."""
+        if master.grad is None and master not in self.deferred:
+            model.grad = None
+            self._tokens[model] = _DETACHED
+            return
+        model.grad = torch.zeros((), dtype=model.dtype, device=model.device).expand(model.shape)
+        self._tokens[model] = (model.grad, model.grad._version)
+
+    def _clear_master_grad(self, master: torch.Tensor) -> None:
+        master.grad = None
+        self.deferred.pop(master, None)
+
+    def _zero_master_grad(self, master: torch.Tensor) -> None:
+        if master in self.deferred:
+            return  # the deferred gradient is the token itself, zeroed
+        if master.grad is not None:
+            master.grad.zero_()
+
+    def _forget_overflow(self) -> None:
+        self.found_inf.zero_()
+        self.unscaled_since_step = False
+        self.deferred_inv_scale = None
+        self.overflow_records = []
+
+    # -- scale_loss exit -----------------------------------------------------------------------
+    def delay(self, loss_id: int, scaler_updates: int) -> None:
+        """The backward of a ``delay_unscale=True`` scale_loss succeeded: its scaled gradients
+        stay on the model and the next ``scale_loss`` adds to them."""
+        if self.pending is None:
+            self.pending = _Pending(loss_id, scaler_updates)
+
+    def unscale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Unscale the new gradients into the masters (or onto the stashed ones), flagging
+        inf/NaN in ``found_inf``; a stashed gradient this loss did not reach is put back."""
+        write_in, write_out, write_models, add_in, add_out = [], [], [], [], []
+        check_in, check_models = [], []
+        for model, master in self.pairs():
+            grad = model.grad
+            if model is master:
+                stashed = self._stash.pop(model, None)
+                if grad is None:
+                    if stashed is not None:
+                        model.grad = stashed
+                    continue
+                if grad.is_sparse:
+                    self._unscale_sparse(model, master, local(grad), stashed, inv_scale, found_inf)
+                    continue
+                if stashed is None:
+                    write_in.append(local(grad))
+                    write_out.append(local(grad))
+                    write_models.append(model)
+                else:
+                    add_in.append(local(grad))
+                    add_out.append(local(stashed))
+                    model.grad = stashed
+                continue
+            if grad is None:  # not reached by this loss
+                self._park(model, master)
+                continue
+            self._tokens[model] = (grad, grad._version)
+            if grad.is_sparse:
+                self._unscale_sparse(model, master, grad, master.grad, inv_scale, found_inf)
+            elif master.grad is None and self.fused:
+                self.deferred[master] = grad
+                check_in.append(grad)
+                check_models.append(model)
+            elif master.grad is None:
+                master.grad = torch.empty_like(master)
+                write_in.append(grad)
+                write_out.append(master.grad)
+                write_models.append(model)
+            else:
+                add_in.append(grad)
+                add_out.append(master.grad)
+        self._stash.clear()
+        if write_in:
+            ops.unscale_(write_in, write_out, inv_scale, found_inf,
+                         self._overflow_flags(write_models, found_inf.device))
+        if add_in:
+            ops.accumulate_unscaled_(add_in, add_out, inv_scale, found_inf)
+        if check_in:
+            ops.check_finite_(check_in, found_inf, self._overflow_flags(check_models, found_inf.device))
+            self.deferred_inv_scale = inv_scale
+        self.pending = None
+        self.unscaled_since_step = True
+
+    def _unscale_sparse(self, model, master, grad, previous, inv_scale, found_inf) -> None:
+        unscaled = ops.unscale_sparse(grad, inv_scale, found_inf, master.dtype)
+        # For a same-tensor pair ``master`` is ``model``: this sets the model's gradient.
+        master.grad = unscaled if previous is None else previous + unscaled
+
+    def _overflow_flags(self, models: List[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+        """A per-tensor flag tensor for the check of ``models``' gradients (fused optimizers only:
+        the others find the culprits after a skip, when the gradients are still there)."""
+        if not self.fused:
+            return None
+        flags = torch.zeros(len(models), device=device)
+        self.overflow_records.append((flags, models))
+        return flags
+
+    def abandon_backward(self, reached: bool) -> None:
+        """The body of ``scale_loss`` raised: put every gradient back as it was on entry.  If a
+        backward already added to delayed scaled gradients, they can't be separated again:
+        the step is marked broken until ``zero_grad``."""
+        if self.pending is not None:
+            if reached:
+                self.broken = ("an exception interrupted a backward while gradients from earlier "
+                               "delay_unscale=True backwards were accumulating: they are mixed with part of the "
+                               "interrupted one and can't be used.  Call optimizer.zero_grad() and redo the "
+                               "accumulation")
+            return
+        for model, master in self.pairs():
+            if model is master:
+                model.grad = self._stash.pop(model, None)
+            else:
+                self._park(model, master)  # the master's gradient is untouched
+        self._stash.clear()
+
+    # -- the fused optimizers' deferred gradients ----------------------------------------------
+    def materialize_deferred(self) -> None:
+        """Unscale the deferred gradients into the masters' ``.grad`` (already checked)."""
+        if not self.deferred:
+            return
+        masters = list(self.deferred)
+        for master in masters:
+            master.grad = torch.empty_like(master)
+        scratch = torch.zeros_like(self.found_inf)
+        ops.unscale_([self.deferred[m] for m in masters], [m.grad for m in masters], self.deferred_inv_scale, scratch)
+        self.deferred.clear()
+
+    # -- step ----------------------------------------------------------------------------------
+    def check_ready_for_step(self) -> None:
+        self.check_usable()
+        if self.pending is not None:
+            raise RuntimeError(
+                "optimizer.step() was called while gradients are still scaled: the last scale_loss used "
+                "delay_unscale=True.  Pass delay_unscale=False to the last scale_loss before step()")
+        self.reconcile(at_step=True)
+
+    def drop_all_grads(self) -> None:
+        """After a skipped or fused step: no gradient of it may reach the next one."""
+        for model, master in self.pairs():
+            model.grad = None
+            master.grad = None
+        self._tokens.clear()
+        self._stash.clear()
+        self.deferred.clear()
+        self.pending = None
+
+    def end_step(self) -> None:
+        self._forget_overflow()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """After the optimizer cleared the masters' gradients: the model-side gradients of
+        distinct pairs, the overflow, pending and broken state go too."""
+        for model, _ in self.distinct_pairs():
+            if model.grad is None:
+                self._tokens.pop(model, None)
+            elif set_to_none:
+                model.grad = None
+                self._tokens.pop(model, None)
+            else:
+                model.grad.detach_().zero_()
+                self._tokens[model] = (model.grad, model.grad._version)
+        self._stash.clear()
+        self.deferred.clear()
+        self.pending = None
+        self.broken = None
+        self._forget_overflow()

@@ -1,0 +1,200 @@
+"""FP32 master values of the tensors that ``initialize`` casts to 16 bits.
+
+With master weights (O2, O5) every floating-point parameter and buffer that the cast changes
+keeps an FP32 value here, in the storage it had before the cast (no copy is made):
+
+- a parameter's value is an ``nn.Parameter``, its *master*.  An optimizer that holds the
+  parameter updates the master instead (it takes the parameter's place in ``param_groups``),
+  and the model gets the master's rounding after each step.  A parameter no optimizer holds (a
+  frozen backbone) keeps its master too, so ``model.state_dict()``, ``ampinit.end`` and a later
+  ``add_param_group`` start from the FP32 value, not its rounding;
+- a buffer's value is what ``model.state_dict()`` and ``end`` return.
+
+Writes to the model from outside ampinit are adopted, so the model stays the truth for them:
+a cast tensor whose version counter (or storage) changed since ampinit last wrote it -- by
+``model.load_state_dict``, DDP's broadcast of rank 0's weights, an in-place update under
+``no_grad`` -- has its master replaced, element by element, wherever the model no longer
+holds the master's rounding.  A write through ``tensor.data`` changes no version counter; such
+writes are seen only before the first backward, when every value is compared once.
+
+Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
+model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
+initialized from different seeds then hold identical masters once DDP has broadcast rank 0's
+weights.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import ops
+
+__all__ = ["MasterWeights"]
+
+
+def _distributed_world() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _stamp(tensor: torch.Tensor) -> Tuple[int, int]:
+    """What changes when a tensor is written in place or given new storage."""
+    return tensor._version, tensor.data_ptr()
+
+
+class MasterWeights:
+    """The FP32 values of one initialization's cast tensors (see the module docstring).
+
+    Args:
+        fp32_values: each cast tensor and its FP32 value from before the cast.
+        cast_dtypes: each cast tensor and the dtype it was cast to.
+        names: each cast tensor's name in the model, for error messages.
+    """
+
+    def __init__(self, fp32_values: Dict[torch.Tensor, torch.Tensor], cast_dtypes: Dict[torch.Tensor, torch.dtype],
+                 names: Dict[torch.Tensor, str]):
+        self._value: Dict[torch.Tensor, torch.Tensor] = {}
+        self._model_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self._cast_dtype = dict(cast_dtypes)
+        self._names = names
+        self._stamps: Dict[torch.Tensor, Tuple[int, int]] = {}
+        self._compared_once = False
+        self._loaded = False
+        self._updated: set = set()   # model parameters whose masters an optimizer updates
+        self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
+        for tensor, value in fp32_values.items():
+            self._add(tensor, value)
+
+    def _add(self, tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value.data, requires_grad=tensor.requires_grad)
+            self._model_of[value] = tensor
+        self._value[tensor] = value
+        self._stamps[tensor] = _stamp(tensor)
+        return value
+
+    # -- lookups -------------------------------------------------------------------------------
+    def master_of(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The FP32 value of a cast tensor (the master, for a parameter), or ``None``."""
+        return self._value.get(tensor)
+
+    @property
+    def model_of(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """master -> the model parameter it drives (read-only use)."""
+        return self._model_of
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return tensor in self._value
+
+    def tensors(self) -> List[torch.Tensor]:
+        return list(self._value)
+
+    def take(self, param: torch.Tensor) -> torch.Tensor:
+        """The master of ``param`` for an optimizer that starts to update it: its kept FP32 value
+        if ampinit cast it, else (a low-precision parameter added later) a new FP32 copy."""
+        master = self._value.get(param)
+        if master is None:
+            self._cast_dtype[param] = param.dtype
+            self._added.add(param)
+            master = self._add(param, param.detach().to(torch.float32, copy=True))
+        elif self._compared_once:  # training has started: this is add_param_group
+            self.sync([param])
+            if _distributed_world():  # identical on every rank: DDP broadcast the model, not the masters
+                with torch.no_grad():
+                    master.copy_(param)
+        self._updated.add(param)
+        return master
+
+    def release(self, param: torch.Tensor) -> None:
+        """An optimizer no longer updates ``param`` (a failed ``add_param_group``)."""
+        self._updated.discard(param)
+        if param in self._added:
+            self._added.discard(param)
+            master = self._value.pop(param)
+            self._model_of.pop(master, None)
+            self._stamps.pop(param, None)
+            self._cast_dtype.pop(param, None)
+
+    # -- model -> masters ------------------------------------------------------------------------
+    def check_model(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Raise a clear error if a cast tensor was cast again or moved (``model.float()``,
+        ``model.to("cuda")``) after ``initialize``."""
+        for tensor in tensors:
+            dtype = self._cast_dtype.get(tensor)
+            if dtype is None:
+                continue
+            master = self._value[tensor]
+            if tensor.dtype != dtype or tensor.device != master.device:
+                raise RuntimeError(
+                    f"{self._names.get(tensor, 'a parameter')} is {tensor.dtype} on {tensor.device}, but "
+                    f"ampinit.initialize made it {dtype} on {master.device} and keeps its FP32 master there: "
+                    "the model was cast or moved after initialize (model.float(), model.half(), model.to(...)). "
+                    "Cast and move the model before ampinit.initialize, or call ampinit.end(model) first")
+
+    def sync(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Adopt writes to the model made since ampinit last wrote it (see the module docstring)
+        for ``tensors`` (default: all).  The first call, at the first backward, compares every
+        value once; under ``torch.distributed`` it sets the masters that optimizers update to
+        the model's values instead (unless a checkpoint was loaded).  No host sync."""
+        if not self._compared_once:
+            self._compared_once = True
+            tensors = list(self._value)
+            self.check_model(tensors)
+            from_model = self._updated if _distributed_world() and not self._loaded else set()
+            self._adopt([t for t in tensors if t not in from_model], compare=True)
+            self._adopt([t for t in tensors if t in from_model], compare=False)
+            return
+        tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
+        self.check_model(tensors)
+        self._adopt([t for t in tensors if self._stamps[t] != _stamp(t)], compare=True)
+
+    def _adopt(self, tensors: List[torch.Tensor], compare: bool) -> None:
+        if not tensors:
+            return
+        with torch.no_grad():
+            for tensor in tensors:
+                value = self._value[tensor]
+                if compare:
+                    changed = tensor.ne(value.to(tensor.dtype))
+                    value.copy_(torch.where(changed, tensor.to(value.dtype), value))
+                else:
+                    value.copy_(tensor)
+                self._stamps[tensor] = _stamp(tensor)
+
+    def mark_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
+        """A checkpoint was loaded into these tensors' FP32 values (``load_state_dict``): the
+        model will hold their rounding, which is not a write to adopt."""
+        self._loaded = True
+        for tensor in tensors:
+            if tensor in self._value:
+                self._stamps[tensor] = (-1, -1)  # compared at the next sync, which keeps exact values
+
+    # -- masters -> model ------------------------------------------------------------------------
+    def copy_to_model(self, masters: List[torch.Tensor]) -> None:
+        """Write updated masters into their model parameters (round to nearest even)."""
+        models = [self._model_of[m] for m in masters]
+        if models:
+            with torch.no_grad():
+                ops.copy_(models, masters)
+            self.record(models)
+
+    def record(self, tensors: Iterable[torch.Tensor]) -> None:
+        """ampinit itself just wrote these model tensors from their masters."""
+        for tensor in tensors:
+            if tensor in self._stamps:
+                self._stamps[tensor] = _stamp(tensor)
+
+    def restore(self) -> None:
+        """``end()``: every cast tensor takes its FP32 value back, adopting writes to the model
+        first where it still has the dtype and device ampinit gave it."""
+        kept = [t for t in self._value if t.dtype == self._cast_dtype[t] and t.device == self._value[t].device]
+        self._adopt([t for t in kept if not self._compared_once or self._stamps[t] != _stamp(t)], compare=True)
+        with torch.no_grad():
+            for tensor, value in self._value.items():
+                tensor.data = value.data
+        self._value.clear()
+        self._model_of.clear()
+        self._stamps.clear()
