@@ -17,7 +17,7 @@ do the work once per step.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 
@@ -45,8 +45,8 @@ class OptimizerBinding:
         self._last_overflow_params: List[str] = []
         self.skips_at_floor = 0      # consecutive skips leaving every scaler involved at its floor
         self.loss_ids_since_step: set = set()
-        self.stepping = False        # inside the class's step: the hooks stand aside
-        self._hooked_step_due = False  # a hook-driven step began and has not finished
+        self.decided = False         # the class's step decided this step: the pre-step hook stands aside
+        self.step_due = False        # an update is running whose step has not finished
         # Fused optimizers decide the skip on the device.  Each step's flags are copied to the
         # host without waiting; the counters above catch up when the copy has landed (checked
         # at the next step) or when someone reads them (a sync then).
@@ -127,6 +127,7 @@ class OptimizerBinding:
             self.skips_at_floor = 0
             if flow.masters is not None:
                 flow.masters.copy_to_model([master for _, master in flow.distinct_pairs()])
+                flow.release_model_grads()
         self.steps += 1
         self._end_step()
 
@@ -149,18 +150,40 @@ class OptimizerBinding:
         """``zero_grad()`` cleared this step's gradients: their overflow and loss ids go too."""
         self.loss_ids_since_step.clear()
 
-    # -- hooks: the step reached without the class's step (see the module docstring) ------------
-    def hooked_step_begins(self) -> None:
-        if self.stepping:
+    # -- the two paths (see the module docstring) ---------------------------------------------
+    def step_from_class(self, run_update: Callable[[], Any]) -> Any:
+        """``optimizer.step()`` through the swapped class: decide, run the update unless the
+        step is skipped, finish (in the post-step hook, before the user's, or here)."""
+        self.step_due = False
+        if not self.begin_step():
+            return None
+        self.step_due = True
+        self.decided = True
+        try:
+            if self.flow.fused:
+                self.optimizer.__dict__["_ampinit_step_inputs"] = self.fused_inputs()
+            result = run_update()
+        finally:
+            self.decided = False
+            self.optimizer.__dict__.pop("_ampinit_step_inputs", None)
+        if self.step_due:  # no post-step hook ran (an optimizer whose step torch does not hook)
+            self.step_ends()
+        return result
+
+    def step_begins_from_hook(self) -> None:
+        """Pre-step hook: the step was reached without the swapped class's ``step``; an
+        overflowing step drops every gradient here, so the update that follows changes nothing."""
+        if self.decided:
             return
-        self._hooked_step_due = self.begin_step()
-        if self._hooked_step_due and self.flow.fused:
+        self.step_due = self.begin_step()
+        if self.step_due and self.flow.fused:
             self.optimizer.__dict__["_ampinit_step_inputs"] = self.fused_inputs()
 
-    def hooked_step_ends(self) -> None:
-        if self.stepping or not self._hooked_step_due:
+    def step_ends(self) -> None:
+        """Post-step hook (the first one), or the end of :meth:`step_from_class`."""
+        if not self.step_due:
             return
-        self._hooked_step_due = False
+        self.step_due = False
         self.optimizer.__dict__.pop("_ampinit_step_inputs", None)
         self.finish_step()
 

@@ -16,7 +16,10 @@ Per ``scale_loss``:
    master) is detached.  The new backward then produces only this loss's scaled gradients.
 2. :meth:`GradientFlow.unscale` (exit, unless ``delay_unscale``) unscales them into the
    masters or onto the stashed gradients through the ops facade, checking for inf/NaN, and
-   puts back the stashed gradient of a parameter this loss did not reach.
+   puts back the stashed gradient of a parameter this loss did not reach.  An exception in the
+   body of ``scale_loss`` changes nothing here: the gradients a backward produced are unscaled
+   all the same, as they would stay without ampinit, and if no backward ran everything is put
+   back (:meth:`GradientFlow.restore_after_no_backward`).
 
 For a distinct pair the model parameter keeps the (scaled) gradient it got, as a *token*: if
 the user clears it (``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared
@@ -45,8 +48,11 @@ from .masters import MasterWeights
 
 __all__ = ["GradientFlow", "BackwardWatch"]
 
+# A token: the model gradient expected on a distinct pair, its version counter then, and
+# whether it is a cheap token (a zero broadcast from one element, see GradientFlow._park).
+_Token = Tuple[Optional[torch.Tensor], int, bool]
 # The token of a distinct pair whose model gradient scale_loss detached: none is expected.
-_DETACHED = (None, 0)
+_DETACHED: _Token = (None, 0, False)
 
 
 class BackwardWatch:
@@ -81,10 +87,9 @@ class GradientFlow:
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
         self.pending: Optional[_Pending] = None
-        self.broken: Optional[str] = None  # why the gradients of this step can't be trusted
         self.in_scale_loss = False
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
-        self._tokens: Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]] = {}
+        self._tokens: Dict[torch.Tensor, _Token] = {}
         self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
         self.deferred_inv_scale: Optional[torch.Tensor] = None
         # Per-tensor inf/NaN flags of this step's checks (fused optimizers only), with the model
@@ -106,10 +111,6 @@ class GradientFlow:
         return [model for model, _ in self.pairs()]
 
     # -- scale_loss entry ----------------------------------------------------------------------
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-
     def check_can_join(self, loss_id: int, scaler_updates: int) -> None:
         """A ``scale_loss`` may add to delayed scaled gradients only with the same scale."""
         pending = self.pending
@@ -148,10 +149,15 @@ class GradientFlow:
         reached a model parameter outside ``scale_loss``."""
         touched, stray = [], []
         for model, master in self.distinct_pairs():
-            expected, version = self._tokens.get(model, _DETACHED)
+            expected, version, cheap = self._tokens.get(model, _DETACHED)
             grad = model.grad
             if grad is expected:
-                if grad is not None and grad._version != version:
+                if grad is None or grad._version == version:
+                    continue
+                if cheap:  # only zeroing can change a cheap token (a backward into it raises)
+                    self._zero_master_grad(master)
+                    self._token(model, grad, cheap=True)
+                else:
                     touched.append((model, master))
             elif grad is None:  # cleared: p.grad = None, model.zero_grad()
                 self._clear_master_grad(master)
@@ -168,7 +174,7 @@ class GradientFlow:
                 raise RuntimeError(self._stray_message(bad, at_step))
             for model, master in touched:
                 self._zero_master_grad(master)
-                self._tokens[model] = (model.grad, model.grad._version)
+                self._token(model, model.grad)
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
@@ -182,16 +188,21 @@ class GradientFlow:
                 "updates the FP32 master weights from their own gradients: run every backward inside scale_loss, "
                 "and clip ampinit.master_params(optimizer)")
 
+    def _token(self, model: torch.Tensor, grad: torch.Tensor, cheap: bool = False) -> None:
+        self._tokens[model] = (grad, grad._version, cheap)
+
     def _park(self, model: torch.Tensor, master: torch.Tensor) -> None:
-        """Leave a token on a model parameter that has no gradient of its own but whose master
-        has one, so that clearing the model's gradients still reaches the master.  The token
-        is a zero broadcast from one element: it costs no memory."""
+        """Leave a cheap token on a model parameter that has no gradient of its own but whose
+        master has one, so that clearing the model's gradients still reaches the master.  It
+        is a zero broadcast from one element, so it costs no memory, and only zeroing can
+        change it: a backward into it fails in torch ("more than one element of the written-to
+        tensor refers to a single memory location")."""
         if master.grad is None and master not in self.deferred:
             model.grad = None
             self._tokens[model] = _DETACHED
             return
         model.grad = torch.zeros((), dtype=model.dtype, device=model.device).expand(model.shape)
-        self._tokens[model] = (model.grad, model.grad._version)
+        self._token(model, model.grad, cheap=True)
 
     def _clear_master_grad(self, master: torch.Tensor) -> None:
         master.grad = None
@@ -244,7 +255,7 @@ class GradientFlow:
             if grad is None:  # not reached by this loss
                 self._park(model, master)
                 continue
-            self._tokens[model] = (grad, grad._version)
+            self._token(model, grad)
             if grad.is_sparse:
                 self._unscale_sparse(model, master, grad, master.grad, inv_scale, found_inf)
             elif master.grad is None and self.fused:
@@ -285,17 +296,11 @@ class GradientFlow:
         self.overflow_records.append((flags, models))
         return flags
 
-    def abandon_backward(self, reached: bool) -> None:
-        """The body of ``scale_loss`` raised: put every gradient back as it was on entry.  If a
-        backward already added to delayed scaled gradients, they can't be separated again:
-        the step is marked broken until ``zero_grad``."""
+    def restore_after_no_backward(self) -> None:
+        """No backward reached the scaled loss (the body of ``scale_loss`` raised first, or
+        never ran one): put every gradient back as it was on entry."""
         if self.pending is not None:
-            if reached:
-                self.broken = ("an exception interrupted a backward while gradients from earlier "
-                               "delay_unscale=True backwards were accumulating: they are mixed with part of the "
-                               "interrupted one and can't be used.  Call optimizer.zero_grad() and redo the "
-                               "accumulation")
-            return
+            return  # nothing was moved on entry
         for model, master in self.pairs():
             if model is master:
                 model.grad = self._stash.pop(model, None)
@@ -317,7 +322,6 @@ class GradientFlow:
 
     # -- step ----------------------------------------------------------------------------------
     def check_ready_for_step(self) -> None:
-        self.check_usable()
         if self.pending is not None:
             raise RuntimeError(
                 "optimizer.step() was called while gradients are still scaled: the last scale_loss used "
@@ -337,9 +341,17 @@ class GradientFlow:
     def end_step(self) -> None:
         self._forget_overflow()
 
+    def release_model_grads(self) -> None:
+        """After an update: the model's scaled gradients are spent, their memory goes; cheap
+        tokens keep reflecting what the user does to them onto the masters' gradients."""
+        for model, master in self.distinct_pairs():
+            expected, version, cheap = self._tokens.get(model, _DETACHED)
+            if expected is not None and not cheap and model.grad is expected and expected._version == version:
+                self._park(model, master)
+
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer cleared the masters' gradients: the model-side gradients of
-        distinct pairs, the overflow, pending and broken state go too."""
+        distinct pairs, the overflow and pending state go too."""
         for model, _ in self.distinct_pairs():
             if model.grad is None:
                 self._tokens.pop(model, None)
@@ -347,10 +359,11 @@ class GradientFlow:
                 model.grad = None
                 self._tokens.pop(model, None)
             else:
-                model.grad.detach_().zero_()
-                self._tokens[model] = (model.grad, model.grad._version)
+                if model.grad.grad_fn is not None:
+                    model.grad = model.grad.detach()
+                model.grad.zero_()
+                self._token(model, model.grad, cheap=self._tokens.get(model, _DETACHED)[2])
         self._stash.clear()
         self.deferred.clear()
         self.pending = None
-        self.broken = None
         self._forget_overflow()

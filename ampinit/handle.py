@@ -276,7 +276,6 @@ class AmpHandle:
         scaler = self.loss_scalers[self._check_loss_id(loss_id)]
         flows = [binding.flow for binding in bindings]
         for flow in flows:
-            flow.check_usable()
             if flow.in_scale_loss:
                 raise RuntimeError("scale_loss calls can't be nested: the inner backward's gradients would be "
                                    "unscaled with the outer loss's.  Finish one `with scale_loss(...)` block "
@@ -292,18 +291,24 @@ class AmpHandle:
         try:
             yield scaled
         except BaseException:
-            for flow in flows:
-                flow.abandon_backward(reached=watch.reached)
+            # As without ampinit: gradients a backward already produced stay (unscaled); if none
+            # reached the scaled loss, everything is as it was on entry.
+            self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch)
             raise
         finally:
             for flow in flows:
                 flow.in_scale_loss = False
+        self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
+
+    def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,
+                      loss_id: int, delay_unscale: bool, watch: BackwardWatch, check: bool = False) -> None:
+        """Unscale (or keep, for ``delay_unscale``) what the backward produced."""
         if not watch.reached:  # no backward through the scaled loss: nothing to unscale
             unscaled = any(flow.pending is None and any(model.grad is not None for model, _ in flow.pairs())
                            for flow in flows)
             for flow in flows:
-                flow.abandon_backward(reached=False)
-            if unscaled:
+                flow.restore_after_no_backward()
+            if check and unscaled:
                 raise RuntimeError(
                     "inside `with ampinit.scale_loss(loss, optimizer) as scaled_loss:` gradients were computed, "
                     "but not through scaled_loss: call scaled_loss.backward(), not loss.backward()")

@@ -85,18 +85,7 @@ class _AmpOptimizerMixin:
         if binding is None:  # ended after an LR scheduler wrapped this bound method
             return type(self).step(self, closure)
         _reject_closure(closure)
-        binding.stepping = True
-        try:
-            if not binding.begin_step():
-                return None
-            if binding.flow.fused:
-                self.__dict__["_ampinit_step_inputs"] = binding.fused_inputs()
-            result = super().step()
-            binding.finish_step()
-            return result
-        finally:
-            self.__dict__.pop("_ampinit_step_inputs", None)
-            binding.stepping = False
+        return binding.step_from_class(super().step)
 
     # Tell torch's Optimizer._patch_step_function (run again by load_state_dict) that this
     # step is already hooked: it calls the base class's hooked step, so step hooks run once.
@@ -128,16 +117,16 @@ def _reject_closure(closure: Any) -> None:
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     binding = optimizer.__dict__.get(_BINDING_ATTR)
-    if binding is None or binding.stepping:
+    if binding is None or binding.decided:
         return
     _reject_closure(args[1] if len(args) > 1 else kwargs.get("closure"))  # args[0] is the optimizer
-    binding.hooked_step_begins()
+    binding.step_begins_from_hook()
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     binding = optimizer.__dict__.get(_BINDING_ATTR)
     if binding is not None:
-        binding.hooked_step_ends()
+        binding.step_ends()
 
 
 @functools.lru_cache(maxsize=None)

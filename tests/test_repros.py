@@ -1,0 +1,697 @@
+"""Every repro of ../shared/repros as a regression test, on more shapes, levels, optimizers and
+schedulers than the repro itself: each failed before the fix (silently, or with an unclear
+error).  Each test compares against what plain PyTorch (FP32) does with the same script."""
+import copy
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ampinit as amp
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+MASTER_LEVELS = ["O2", "O5"]
+
+
+def two_heads(seed=0, width=6):
+    torch.manual_seed(seed)
+    return nn.ModuleList([nn.Linear(width, 3), nn.Linear(width, 2)])
+
+
+def fp32_like(t):
+    return t.detach().float().clone()
+
+
+# -- r01: several losses before one step, a later one not reaching some parameters --------------
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1),
+                                      lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-3)], ids=["sgd", "adam"])
+def test_r01_second_loss_does_not_erase_the_first(level, make_opt):
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    ref = two_heads()
+    ref[0](x).pow(2).mean().backward()
+    ref[1](x).pow(2).mean().backward()
+    model = two_heads()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, num_losses=2)
+    xin = x.to(model[0].weight.dtype) if level in ("O2", "O3", "O5") else x
+    with amp.scale_loss(model[0](xin).float().pow(2).mean(), opt, loss_id=0) as scaled:
+        scaled.backward()
+    with amp.scale_loss(model[1](xin).float().pow(2).mean(), opt, loss_id=1) as scaled:
+        scaled.backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if level == "O0" else dict(rtol=3e-2, atol=3e-3)
+    for master, reference in zip(amp.master_params(opt), ref.parameters()):
+        assert master.grad is not None
+        torch.testing.assert_close(master.grad.float(), reference.grad, **tol)
+    before = [fp32_like(p) for p in model.parameters()]
+    opt.step()
+    assert all(not torch.equal(a, fp32_like(p)) for a, p in zip(before, model.parameters()))
+
+
+# -- r02, r03, s_scheduler_before_initialize: a step wrapped before initialize -----------------
+
+SCHEDULERS = {
+    "steplr": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "lambdalr": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20),
+}
+
+
+def _scheduled_run(level, make_sched, when, poison_at=2, steps=6):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, eps=1e-3)  # 1e-8 is 0 in fp16 (O3)
+    sched = make_sched(opt) if when == "before" else None
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    if when == "after":
+        sched = make_sched(opt)
+    data = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(9, 5, generator=data)).float().pow(2).mean()
+        if step == poison_at:
+            loss = loss * float("nan")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        sched.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O5"])
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+def test_r02_scheduler_made_before_initialize_cannot_bypass_the_step(level, sched):
+    model, opt = _scheduled_run(level, SCHEDULERS[sched], "before")
+    assert "step" in opt.__dict__  # the scheduler's wrapper of the pre-initialize step is there
+    ref_model, ref_opt = _scheduled_run(level, SCHEDULERS[sched], "after")
+    assert opt.amp.skipped_steps == ref_opt.amp.skipped_steps == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.isfinite(p).all() and torch.equal(p, q)
+    if level in MASTER_LEVELS:
+        for p in model.parameters():
+            master = opt.amp._master_of(p)
+            assert master is None or torch.equal(p, master.to(p.dtype))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_r02_torch_step_hooks_see_the_written_model(when):
+    """A post-step hook registered before initialize (an EMA of the model) runs after ampinit
+    wrote the new weights into the model, on either path of the step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    opt.register_step_post_hook(lambda o, a, k: seen.append(model.weight.detach().clone()))
+    if when == "before":
+        torch.optim.lr_scheduler.StepLR(opt, 1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    with amp.scale_loss(model(torch.ones(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert opt.amp.skipped_steps == 0
+    assert len(seen) == 1 and torch.equal(seen[0], model.weight), when
+
+
+# -- r04: clipping with a fused optimizer ---------------------------------------------------
+
+@pytest.mark.parametrize("level", MASTER_LEVELS)
+@pytest.mark.parametrize("fused_cls", ["FusedSGD", "FusedAdam"])
+def test_r04_clipping_master_params_of_a_fused_optimizer_sees_unscaled_gradients(level, fused_cls):
+    from ampinit import optim as amp_optim
+    plain_cls = {"FusedSGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                 "FusedAdam": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0)}[fused_cls]
+    fused = {"FusedSGD": lambda p: amp_optim.FusedSGD(p, lr=0.1, momentum=0.9),
+             "FusedAdam": lambda p: amp_optim.FusedAdam(p, lr=1e-2)}[fused_cls]
+    results = []
+    for make_opt in (fused, plain_cls):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+        model, opt = amp.initialize(model, make_opt(model.parameters()), opt_level=level, verbosity=0)
+        norms = []
+        for step in range(4):
+            opt.zero_grad()
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+            with amp.scale_loss(model(x).float().pow(2).mean() * 10, opt) as scaled:
+                scaled.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=0.05).item())
+            opt.step()
+        results.append((norms, [p.detach().clone() for p in amp.master_params(opt)]))
+    (fused_norms, fused_masters), (plain_norms, plain_masters) = results
+    assert all(n > 0.05 for n in plain_norms)  # the clipping did something
+    assert fused_norms == pytest.approx(plain_norms, rel=1e-5)
+    for a, b in zip(fused_masters, plain_masters):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- r05: wrapper optimizers ----------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_r05_zero_redundancy_optimizer(one_rank_group):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = nn.Linear(4, 2)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    for level in MASTER_LEVELS:
+        with pytest.raises(ValueError, match="ZeroRedundancyOptimizer steps an optimizer of its own"):
+            amp.initialize(model, opt, opt_level=level, verbosity=0)
+        assert model.weight.dtype == torch.float32 and type(opt) is ZeroRedundancyOptimizer
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    w0 = model.weight.detach().clone()
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).pow(2).mean() * (float("inf") if step == 1 else 1.0)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert opt.amp.skipped_steps == 1 and torch.isfinite(model.weight).all()
+    assert not torch.equal(w0, model.weight)
+
+
+class LarcLike:
+    """A LARC-style wrapper (as apex's): not an Optimizer, shares the inner param_groups,
+    rescales each gradient by a trust ratio, then steps the inner optimizer."""
+
+    def __init__(self, optimizer, trust_coefficient=0.02):
+        self.optim = optimizer
+        self.trust_coefficient = trust_coefficient
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def zero_grad(self):
+        self.optim.zero_grad()
+
+    def step(self):
+        with torch.no_grad():
+            for group in self.optim.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        ratio = self.trust_coefficient * p.norm() / (p.grad.norm() + 1e-8)
+                        p.grad.mul_(torch.clamp(ratio / group["lr"], max=1.0))
+        self.optim.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_r05_larc_style_wrapper_trains_like_fp32(level):
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(0))
+    results = []
+    for use_amp in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3)
+        larc = LarcLike(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        if use_amp:
+            model, larc2 = amp.initialize(model, larc, opt_level=level, verbosity=0)
+            assert larc2 is larc and amp.handle_of(larc) is amp.handle_of(model)
+        for step in range(4):
+            larc.zero_grad()
+            loss = model(x.to(model.weight.dtype)).float().pow(2).mean()
+            if use_amp:
+                with amp.scale_loss(loss * (float("inf") if step == 2 else 1.0), larc) as scaled:
+                    scaled.backward()
+            elif step != 2:
+                loss.backward()
+            else:
+                continue  # the reference skips the overflowing step
+            larc.step()
+        results.append(model.weight.detach().float().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=2e-2, atol=2e-3)
+
+
+# -- r06: an exception inside scale_loss -----------------------------------------------------
+
+@pytest.mark.parametrize("level, scale", [("O1", 1024.0), ("O1", "dynamic"), ("O2", 1024.0), ("O5", None),
+                                          ("O0", "dynamic")])
+@pytest.mark.parametrize("where", ["after_backward", "before_backward"])
+def test_r06_exception_in_scale_loss_leaves_what_fp32_leaves(level, scale, where):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if use_amp:
+            kwargs = {} if scale is None else {"loss_scale": scale}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+        for it in range(3):  # the loop clears gradients at the end of an iteration
+            try:
+                loss = model(x.to(model.weight.dtype)).float().pow(2).mean()
+                if use_amp:
+                    with amp.scale_loss(loss, opt) as scaled:
+                        if where == "after_backward" or it:
+                            scaled.backward()
+                        if it == 0:
+                            raise KeyboardInterrupt
+                else:
+                    if where == "after_backward" or it:
+                        loss.backward()
+                    if it == 0:
+                        raise KeyboardInterrupt
+                opt.step()
+                opt.zero_grad()
+            except KeyboardInterrupt:
+                grads = [None if p.grad is None else p.grad.float().clone() for p in amp.master_params(opt)] \
+                    if use_amp else [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        return grads, model.weight.detach().float()
+
+    (grads, weight), (ref_grads, ref_weight) = run(True), run(False)
+    for g, r in zip(grads, ref_grads):
+        assert (g is None) == (r is None)
+        if g is not None:  # unscaled, not left multiplied by the loss scale
+            torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(weight, ref_weight, rtol=2e-2, atol=2e-3)
+
+
+def test_r06_exception_during_delayed_accumulation_keeps_the_accumulated_gradients():
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=64.0)
+    for i in range(3):
+        try:
+            with amp.scale_loss(model(x.half()).float().pow(2).mean() / 3, opt, delay_unscale=i < 2) as scaled:
+                scaled.backward()
+                if i == 1:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+    for _ in range(3):
+        (ref(x).pow(2).mean() / 3).backward()
+    for master, p in zip(amp.master_params(opt), ref.parameters()):
+        torch.testing.assert_close(master.grad, p.grad, rtol=1e-2, atol=1e-3)
+
+
+# -- r07: a kept gradient is never overwritten -------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_r07_a_kept_gradient_is_not_overwritten(level, set_to_none):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    master = next(amp.master_params(opt))
+    kept, copies = [], []
+    for i in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i)).to(model.weight.dtype)
+        with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+            scaled.backward()
+        kept.append(master.grad)
+        copies.append(master.grad.clone())
+        opt.step()
+    if set_to_none:  # as in torch: a new tensor each step, the kept ones unchanged
+        assert kept[0] is not kept[1] is not kept[2]
+        assert all(torch.equal(k, c) for k, c in zip(kept, copies))
+
+
+# -- r09: FP32 values of parameters no optimizer holds --------------------------------------
+
+@pytest.mark.parametrize("level", MASTER_LEVELS)
+def test_r09_frozen_parameters_keep_fp32_values(level):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    model[0].requires_grad_(False)
+    original = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model[2].parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    state = model.state_dict()
+    for key in ("0.weight", "0.bias"):
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], original[key])
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    plain.load_state_dict(state)
+    # a later add_param_group starts the backbone from its FP32 values
+    opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+    master = opt.param_groups[1]["params"][0]
+    assert master.dtype == torch.float32 and torch.equal(master, original["0.weight"])
+    amp.end(model)
+    assert torch.equal(model[0].weight, original["0.weight"]) and model[0].weight.dtype == torch.float32
+
+
+def test_r09_cast_buffers_keep_fp32_values():
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("table", torch.linspace(0, 1, 7) / 3)
+
+        def forward(self, x):
+            return self.lin(x) + self.table[:3]
+
+    model = WithBuffer()
+    table = model.table.clone()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    assert model.table.dtype == torch.float16
+    assert torch.equal(model.state_dict()["table"], table)
+    with torch.no_grad():
+        model.table.mul_(2)  # a write to the model is adopted
+    assert torch.equal(model.state_dict()["table"], (table.half() * 2).float())
+    amp.end(model)
+    assert model.table.dtype == torch.float32
+
+
+# -- r10, r11: validate everything before changing anything ----------------------------------
+
+def test_r10_load_state_dict_validates_everything_first(caplog):
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    before = opt.amp.state_dict()
+    bad_cases = [
+        {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "ampinit": {"version": 1, "optimizers": [None]}},
+        {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+         "ampinit": {"version": 1, "optimizers": [{"steps": -1}]}},
+        {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+         "ampinit": {"version": 1, "optimizers": [{"steps": "3"}]}},
+        {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "ampinit": {"version": 1, "optimizers": {}}},
+        {"loss_scaler0": {"loss_scale": 4.0, "unskipped": 2 ** 40}},
+        {"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0, "hysteresis_left": -1}},
+        {"loss_scaler0": {"loss_scale": float("inf"), "unskipped": 0}},
+        {"loss_scaler0": {"loss_scale": 4.0, "unskipped": True}},
+        {7: 1, "loss_scaler0": "x"},
+    ]
+    for bad in bad_cases:
+        with pytest.raises(ValueError):
+            amp.load_state_dict(bad)
+        assert opt.amp.state_dict() == before, bad
+    with caplog.at_level(logging.WARNING, logger="ampinit"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1e-205, "unskipped": 0}})  # an apex #318 checkpoint
+    assert opt.amp.loss_scale() == 2.0 ** -24 and "outside" in caplog.text
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1e30, "unskipped": 0}})
+    assert opt.amp.loss_scale() == 2.0 ** 24
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_scale=1e39), "float32"), (dict(loss_scale="1e39"), "float32"),
+    (dict(max_loss_scale=1e40), "float32"), (dict(init_scale=2.0 ** 30), "init_scale"),
+    (dict(growth_interval=0), "growth_interval"), (dict(hysteresis=1.5), "hysteresis"),
+    (dict(loss_scale=128.0, growth_interval=100), "dynamic"),
+])
+def test_r11_initialize_rejects_before_changing_anything(kwargs, match):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        amp.initialize(model, opt, opt_level="O2", **kwargs)
+    assert model.weight.dtype == torch.float32 and type(opt) is torch.optim.SGD and not hasattr(opt, "amp")
+    assert opt.param_groups[0]["params"][0] is model.weight
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)  # a retry works
+    assert opt.amp.loss_scale() == 128.0
+    amp.end(opt)
+
+
+# -- r12: nested scale_loss, delay_unscale across scales --------------------------------------
+
+def test_r12_nested_scale_loss_raises():
+    model = nn.Linear(4, 1)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                loss_scale=128.0, verbosity=0)
+    x = torch.randn(8, 4).half()
+    with pytest.raises(RuntimeError, match="nested"):
+        with amp.scale_loss(model(x).float().mean(), opt):
+            with amp.scale_loss(model(x).float().mean(), opt):
+                pass
+    # the outer block's failure left nothing behind: a normal step works
+    with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert opt.amp.skipped_steps == 0
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_r12_delay_unscale_across_loss_ids_raises(level):
+    model = nn.Linear(4, 1)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+                                verbosity=0, num_losses=2)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(model(x).float().mean(), opt, loss_id=0, delay_unscale=True) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="loss_id 0's scale"):
+        with amp.scale_loss(model(x).float().mean(), opt, loss_id=1):
+            pass
+
+
+def test_r12_delay_unscale_across_a_scale_update_raises():
+    a, b = nn.Linear(4, 1), nn.Linear(4, 1)
+    [a, b], [oa, ob] = amp.initialize([a, b], [torch.optim.SGD(a.parameters(), lr=0.1),
+                                               torch.optim.SGD(b.parameters(), lr=0.1)], opt_level="O2", verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(a(x).float().mean(), oa, delay_unscale=True) as scaled:
+        scaled.backward()
+    with amp.scale_loss(b(x).float().mean() * float("inf"), ob) as scaled:  # backs loss 0's scale off
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="scale changed"):
+        with amp.scale_loss(a(x).float().mean(), oa):
+            pass
+
+
+# -- r13: pickling and copying an initialized model -----------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x = torch.randn(6, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    ema = copy.deepcopy(model)  # the EMA pattern
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert len(pickle.dumps(model)) < 3 * len(pickle.dumps(ema)) + 10_000
+    restored = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for copy_ in (ema, restored):
+        with pytest.raises(RuntimeError, match="not initialized"):
+            amp.handle_of(copy_)
+        copy_.eval()
+        model.eval()
+        torch.testing.assert_close(copy_(x), model(x))
+        assert copy_(x).dtype == model(x).dtype
+        state = copy_.state_dict()
+        assert all(v.dtype == model.state_dict()[k].dtype for k, v in state.items())
+    with torch.no_grad():  # an EMA update from the live model
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.mul_(0.9).add_(p, alpha=0.1)
+    ema.float()  # a copy may be cast back: its inputs follow its parameters
+    assert ema(x).dtype == torch.float32
+    assert amp.handle_of(model) is opt.amp
+
+
+# -- r14: zero_grad(set_to_none=False) must not hide a backward outside scale_loss -------------
+
+@pytest.mark.parametrize("level", MASTER_LEVELS)
+@pytest.mark.parametrize("zero", ["set_to_none", "zeros", "model_zero_grad", "model_zeros"])
+def test_r14_backward_outside_scale_loss_is_caught_after_any_zero_grad(level, zero):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    x = torch.randn(8, 4)
+
+    def clear():
+        if zero == "set_to_none":
+            opt.zero_grad()
+        elif zero == "zeros":
+            opt.zero_grad(set_to_none=False)
+        elif zero == "model_zero_grad":
+            model.zero_grad()
+        else:
+            model.zero_grad(set_to_none=False)
+
+    clear()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    clear()
+    model(x).float().pow(2).mean().backward()  # forgot scale_loss
+    weight = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="scale_loss did not put there"):
+        opt.step()
+    assert torch.equal(weight, model.weight)
+
+
+@pytest.mark.parametrize("level", MASTER_LEVELS)
+def test_r14_clipping_the_model_parameters_is_caught(level):
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # should be amp.master_params(opt)
+    with pytest.raises(RuntimeError, match="clip ampinit.master_params"):
+        opt.step()
+
+
+# -- s_model_zero_grad_o2: every way of clearing gradients, as in torch ------------------------
+
+ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
+
+
+def _clear(style, model, opt):
+    if style == "opt":
+        opt.zero_grad()
+    elif style == "opt_zeros":
+        opt.zero_grad(set_to_none=False)
+    elif style == "model":
+        model.zero_grad()
+    elif style == "model_zeros":
+        model.zero_grad(set_to_none=False)
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
+@pytest.mark.parametrize("style", ZERO_STYLES)
+def test_s_model_zero_grad_every_style_matches_fp32(level, style):
+    """apex-era loops clear gradients in every way; at step 1 an abandoned backward is cleared
+    the same way before the real one.  Weights after each step must follow FP32's."""
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+        if use_amp:
+            model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+
+        def backward(factor):
+            loss = model(torch.ones(2, 4).to(model.weight.dtype)).float().sum() * factor
+            if not use_amp:
+                return loss.backward()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+
+        weights = []
+        for step in range(4):
+            _clear(style, model, opt)
+            if step == 1:
+                backward(100.0)  # abandoned
+                _clear(style, model, opt)
+            backward(1.0 + step)
+            opt.step()
+            weights.append(model.weight.detach().float().clone())
+        return torch.stack(weights)
+
+    torch.testing.assert_close(run(True), run(False), rtol=2e-3, atol=2e-3)
+
+
+# -- s_o1_loss_dtype: O1/O4 losses in FP32 ----------------------------------------------------
+
+LOSSES = {
+    "cross_entropy": lambda out, labels, dense: nn.functional.cross_entropy(out, labels),
+    "mse": lambda out, labels, dense: nn.functional.mse_loss(out, dense),
+    "logsumexp": lambda out, labels, dense: out.logsumexp(1).mean(),
+}
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_s_o1_losses_outside_the_model_are_fp32(level, loss):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1000))
+    model = amp.initialize(model, opt_level=level, verbosity=0)
+    x, labels, dense = torch.randn(8, 16), torch.randint(0, 1000, (8,)), torch.randn(8, 1000)
+    out = model(x)
+    value = LOSSES[loss](out, labels, dense)
+    assert out.dtype == torch.float32 and value.dtype == torch.float32
+    assert value.item() == LOSSES[loss](out.detach(), labels, dense).item()
+    exact = LOSSES[loss](out.detach().double(), labels, dense.double()).item()
+    assert value.item() == pytest.approx(exact, rel=1e-6)  # not fp16's 1e-3
+
+
+# -- item 8: clear errors ----------------------------------------------------------------------
+
+def test_static_scale_too_large_says_so():
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                loss_scale=1e30, verbosity=0)
+    x = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match=r"static loss scale 1e\+30 may be too large.*loss_scale='dynamic'"):
+        for _ in range(20):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+
+
+def test_scale_loss_after_end_says_so():
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.end(model)
+    with pytest.raises(RuntimeError, match="ended by ampinit.end"):
+        with amp.scale_loss(model(torch.randn(2, 4)).sum(), opt):
+            pass
+
+
+@pytest.mark.parametrize("cast_back", ["float", "double", "bfloat16"])
+def test_model_cast_back_after_o2_is_a_clear_error(cast_back):
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    getattr(model, cast_back)()
+    out = model(torch.randn(2, 4))  # forward follows the model's dtype
+    with pytest.raises(RuntimeError, match="cast or moved after initialize"):
+        with amp.scale_loss(out.float().sum(), opt) as scaled:
+            scaled.backward()
+
+
+def test_initialize_returns_the_container_type_it_was_given():
+    m1, m2 = nn.Linear(2, 2), nn.Linear(2, 2)
+    models = amp.initialize((m1, m2), opt_level="O1", verbosity=0)
+    assert isinstance(models, tuple) and models[0] is m1 and models[1] is m2
+    m3 = nn.Linear(2, 2)
+    opts = (torch.optim.SGD(m3.parameters(), lr=0.1),)
+    out_models, out_opts = amp.initialize([m3], opts, opt_level="O2", verbosity=0)
+    assert isinstance(out_models, list) and isinstance(out_opts, tuple) and out_opts[0] is opts[0]
+
+
+@pytest.mark.parametrize("level, scale", [("O0", None), ("O0", 64.0), ("O0", "dynamic"), ("O3", None),
+                                          ("O5", None)])
+def test_complex_parameters_train(level, scale):
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, dtype=torch.complex64) * 0.1)
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            mixed = torch.fft.ifft(torch.fft.fft(x.float()) * self.weight).real
+            return self.lin(mixed.to(self.lin.weight.dtype))
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = Spectral()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if use_amp:
+            kwargs = {} if scale is None else {"loss_scale": scale}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).float().pow(2).mean()
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+        return model.weight.detach().clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=2e-2, atol=2e-3)
