@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from ._tree import cast_floating
-from .frontend import handle_of, initialize, scale_loss
+from .frontend import handle_of, initialize, master_params, scale_loss
 from .handle import AmpHandle
 from .opt_levels import resolve_config
 
@@ -94,6 +94,11 @@ class AmpinitPrecision(Precision):
         optimizers = [optimizer] if optimizer is not None else self._optimizers
         with scale_loss(tensor, optimizers) as scaled_loss:
             model.backward(scaled_loss, *args, **kwargs)
+
+    def main_params(self, optimizer: Any) -> Generator[torch.Tensor, None, None]:
+        """What Lightning clips (``gradient_clip_val``): the FP32 masters, with their unscaled
+        gradients (also for ampinit's fused optimizers, which would read them from the model)."""
+        yield from master_params(optimizer)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):

@@ -69,6 +69,57 @@ def test_ddp_overflow_on_one_rank_skips_everywhere(level, tmp_path):
             assert torch.equal(a, b) and torch.isfinite(a).all()
 
 
+def seeds_worker(rank, port, level, out_dir):
+    """apex's DDP example: no common seed, initialize, then wrap in DDP."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(rank)  # different initial weights per rank
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for step in range(STEPS):
+            x, y = _shard(step, rank)
+            opt.zero_grad()
+            with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        torch.save({"params": [p.detach() for p in model.parameters()],
+                    "masters": [p.detach() for p in amp.master_params(opt)]}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard(step, rank):
+    data = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_ddp_ranks_seeded_differently_end_identical_and_train_like_one_process(level, tmp_path):
+    mp.spawn(seeds_worker, args=(free_port(), level, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for key in ("params", "masters"):
+        for a, b in zip(results[0][key], results[1][key]):
+            assert torch.equal(a, b), key
+    # one process, rank 0's weights, both shards' data: DDP averages the ranks' gradients
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    model, opt = amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4), opt_level=level,
+                                verbosity=0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses = [((model(x).float() - y) ** 2).mean() for x, y in (_shard(step, r) for r in range(WORLD))]
+        with amp.scale_loss(sum(losses) / WORLD, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    for a, b in zip(results[0]["masters"], amp.master_params(opt)):
+        torch.testing.assert_close(a, b.detach(), rtol=2e-2, atol=5e-3)
+
+
 def fsdp_worker(rank, port, case, out_dir):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -8,6 +8,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 import ampinit as amp  # noqa: E402
 from ampinit.lightning import AmpinitPrecision  # noqa: E402
+from ampinit.optim import FusedAdam  # noqa: E402
 
 
 class Regression(pl.LightningModule):
@@ -77,6 +78,46 @@ def test_checkpoint_round_trip(tmp_path):
     optimizer = resumed.handle.optimizers[0]
     master = next(amp.master_params(optimizer))
     assert torch.equal(module.net[0].weight, master.half())
+
+
+class Scheduled(Regression):
+    """configure_optimizers builds the LR scheduler before the plugin initializes the optimizer
+    (r03): its wrapper of the optimizer's step must not bypass the skip."""
+
+    def __init__(self, poison_step=-1, fused=False):
+        super().__init__(poison_step)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        opt = FusedAdam(self.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01) if self.fused else \
+            torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_scheduler_from_configure_optimizers_still_skips(level, tmp_path):
+    module = Scheduled(poison_step=3)
+    plugin = AmpinitPrecision(level, max_loss_scale=2.0 ** 12)
+    trainer(plugin, 30, tmp_path).fit(module, loader())
+    assert plugin.handle.skipped_steps == 1 and plugin.handle.last_overflow_step == 3
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert module.losses[-1] < module.losses[0] / 2
+    optimizer = plugin.handle.optimizers[0]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 3)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_gradient_clip_val_with_a_fused_optimizer_clips_the_unscaled_gradients(level, tmp_path):
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        module = Scheduled(fused=fused)
+        plugin = AmpinitPrecision(level, max_loss_scale=2.0 ** 12)
+        trainer(plugin, 12, tmp_path / str(fused), gradient_clip_val=0.05).fit(module, loader())
+        results.append([p.detach().float().clone() for p in amp.master_params(plugin.handle.optimizers[0])])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_options_fail_at_construction():
