@@ -91,10 +91,15 @@ class OptimizerBinding:
         flow.check_ready_for_step()
         if flow.masters is not None:
             flow.masters.sync(flow.models())
+        read_overflow = flow.unscaled_since_step and not flow.fused
+        suspects = flow.take_suspects()
+        flags = ([flow.found_inf] if read_overflow else []) + [w.float().reshape(1) for w, _ in suspects]
+        values = torch.cat(flags).tolist() if flags else []  # the step's one host read
+        flow.raise_for_suspects([model for (_, model), written in zip(suspects, values[read_overflow:]) if written])
         if flow.fused:
             self.resolve_fused_steps(wait=False)
             return True
-        if flow.unscaled_since_step and bool(flow.found_inf.item()):
+        if read_overflow and values[0]:
             self.skip_step()
             return False
         return True
@@ -127,7 +132,6 @@ class OptimizerBinding:
             self.skips_at_floor = 0
             if flow.masters is not None:
                 flow.masters.copy_to_model([master for _, master in flow.distinct_pairs()])
-                flow.release_model_grads()
         self.steps += 1
         self._end_step()
 

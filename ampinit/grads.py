@@ -5,8 +5,8 @@ the master is the FP32 ``nn.Parameter`` in ``param_groups`` and the optimizer re
 ``master.grad``; otherwise (O0, O1, O3, O4, and FP32 parameters at O2/O5) the pair is one tensor
 and ``param.grad`` is the gradient.  Either way the gradient the optimizer sees is *unscaled* and
 is exactly what an FP32 run would hold at that point: several losses before one ``step`` add
-up, ``zero_grad`` in any form clears it, and an exception inside ``scale_loss`` leaves it as it
-was.
+up, ``zero_grad`` in any form clears it, and an exception inside ``scale_loss`` leaves what it
+would leave without ampinit.
 
 Per ``scale_loss``:
 
@@ -21,23 +21,25 @@ Per ``scale_loss``:
    all the same, as they would stay without ampinit, and if no backward ran everything is put
    back (:meth:`GradientFlow.restore_after_no_backward`).
 
-For a distinct pair the model parameter keeps the (scaled) gradient it got, as a *token*: if
-the user clears it (``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared
-too, if it is zeroed in place (``zero_grad(set_to_none=False)``) the master's is zeroed, and if
-it changes otherwise (a ``backward`` outside ``scale_loss``, clipping the model's gradients)
-``step`` raises: only the masters' gradients reach the optimizer.
+For a distinct pair the model parameter keeps the (scaled) gradient it got, as a *token* (a
+zero tensor if the last loss did not reach it but an earlier one did): if the user clears it
+(``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared too, if it is
+zeroed in place (``zero_grad(set_to_none=False)``) the master's is zeroed, and if it changes
+otherwise (a ``backward`` outside ``scale_loss``, clipping the model's gradients) ``step``
+raises: only the masters' gradients reach the optimizer.
 
 With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
 model's scaled gradients and leaves them to the optimizer's kernel (``deferred``), which
 unscales them itself; anything that needs the masters' gradients (a second backward,
 :func:`ampinit.master_params`) unscales them first.
 
-Nothing here reads a device value on the host, except when a token was changed in place,
-which costs one read to tell zeroing from a stray gradient.
+Nothing here reads a device value on the host: whether a token changed in place was zeroed or
+written is decided on the device and read at ``step`` together with the overflow flag.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -48,11 +50,10 @@ from .masters import MasterWeights
 
 __all__ = ["GradientFlow", "BackwardWatch"]
 
-# A token: the model gradient expected on a distinct pair, its version counter then, and
-# whether it is a cheap token (a zero broadcast from one element, see GradientFlow._park).
-_Token = Tuple[Optional[torch.Tensor], int, bool]
+# A token: the model gradient expected on a distinct pair, and its version counter then.
+_Token = Tuple[Optional[torch.Tensor], int]
 # The token of a distinct pair whose model gradient scale_loss detached: none is expected.
-_DETACHED: _Token = (None, 0, False)
+_DETACHED: _Token = (None, 0)
 
 
 class BackwardWatch:
@@ -91,6 +92,11 @@ class GradientFlow:
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         self._tokens: Dict[torch.Tensor, _Token] = {}
         self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
+        # CPU: master gradients that were cleared, to be reused if nothing else holds them
+        # (glibc hands large blocks back to the OS, and faulting 4 bytes per parameter in
+        # again costs more than the unscale itself).  CUDA's caching allocator needs none.
+        self._spares: Dict[torch.Tensor, torch.Tensor] = {}
+        self._suspects: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.deferred_inv_scale: Optional[torch.Tensor] = None
         # Per-tensor inf/NaN flags of this step's checks (fused optimizers only), with the model
         # params they belong to: the skip is decided on the device, its diagnostics read later.
@@ -146,19 +152,25 @@ class GradientFlow:
     def reconcile(self, at_step: bool) -> None:
         """Carry what the user did to distinct pairs' model gradients since the last
         ``scale_loss`` over to the masters (see the module docstring).  Raises if a gradient
-        reached a model parameter outside ``scale_loss``."""
-        touched, stray = [], []
+        reached a model parameter outside ``scale_loss``.
+
+        A token changed in place was zeroed (``zero_grad(set_to_none=False)``), or written
+        otherwise (a backward outside ``scale_loss``, clipping ``model.parameters()``): telling
+        which needs its values.  The master's gradient is zeroed on the device where the token
+        is all zeros, and the verdict is read at ``step`` (:meth:`take_suspects`), with the
+        overflow flag, in the step's one host read."""
+        stray = []
         for model, master in self.distinct_pairs():
-            expected, version, cheap = self._tokens.get(model, _DETACHED)
+            expected, version = self._tokens.get(model, _DETACHED)
             grad = model.grad
             if grad is expected:
                 if grad is None or grad._version == version:
                     continue
-                if cheap:  # only zeroing can change a cheap token (a backward into it raises)
-                    self._zero_master_grad(master)
-                    self._token(model, grad, cheap=True)
-                else:
-                    touched.append((model, master))
+                written = grad.ne(0).any()
+                if master.grad is not None and master not in self.deferred:
+                    master.grad.masked_fill_(written.logical_not(), 0.0)
+                self._suspects.append((written, model))
+                self._token(model, grad)
             elif grad is None:  # cleared: p.grad = None, model.zero_grad()
                 self._clear_master_grad(master)
                 self._tokens.pop(model, None)
@@ -166,18 +178,19 @@ class GradientFlow:
                 stray.append(model)
         if stray:
             raise RuntimeError(self._stray_message(stray, at_step))
-        if touched:
-            # Zeroed in place, or changed otherwise: one host read tells which (rare).
-            nonzero = torch.stack([m.grad.ne(0).any() for m, _ in touched]).tolist()
-            bad = [model for (model, _), flag in zip(touched, nonzero) if flag]
-            if bad:
-                raise RuntimeError(self._stray_message(bad, at_step))
-            for model, master in touched:
-                self._zero_master_grad(master)
-                self._token(model, model.grad)
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
+
+    def take_suspects(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(written, model_param)`` for every token changed in place since the last step:
+        ``written`` (a device flag) says it holds a gradient scale_loss did not put there."""
+        suspects, self._suspects = self._suspects, []
+        return suspects
+
+    def raise_for_suspects(self, models: List[torch.Tensor]) -> None:
+        if models:
+            raise RuntimeError(self._stray_message(models, at_step=True))
 
     def _stray_message(self, models: List[torch.Tensor], at_step: bool) -> str:
         names = ", ".join(self._name_of(m) for m in models[:4]) + (" ..." if len(models) > 4 else "")
@@ -188,25 +201,43 @@ class GradientFlow:
                 "updates the FP32 master weights from their own gradients: run every backward inside scale_loss, "
                 "and clip ampinit.master_params(optimizer)")
 
-    def _token(self, model: torch.Tensor, grad: torch.Tensor, cheap: bool = False) -> None:
-        self._tokens[model] = (grad, grad._version, cheap)
+    def _token(self, model: torch.Tensor, grad: torch.Tensor) -> None:
+        self._tokens[model] = (grad, grad._version)
 
     def _park(self, model: torch.Tensor, master: torch.Tensor) -> None:
-        """Leave a cheap token on a model parameter that has no gradient of its own but whose
-        master has one, so that clearing the model's gradients still reaches the master.  It
-        is a zero broadcast from one element, so it costs no memory, and only zeroing can
-        change it: a backward into it fails in torch ("more than one element of the written-to
-        tensor refers to a single memory location")."""
+        """Leave a zero token on a model parameter that has no gradient of its own (the last
+        loss did not reach it) but whose master has one, so that clearing the model's gradients
+        still reaches the master."""
         if master.grad is None and master not in self.deferred:
             model.grad = None
             self._tokens[model] = _DETACHED
             return
-        model.grad = torch.zeros((), dtype=model.dtype, device=model.device).expand(model.shape)
-        self._token(model, model.grad, cheap=True)
+        model.grad = torch.zeros_like(model)
+        self._token(model, model.grad)
 
     def _clear_master_grad(self, master: torch.Tensor) -> None:
+        self.keep_spare(master)
         master.grad = None
         self.deferred.pop(master, None)
+
+    def keep_spare(self, master: torch.Tensor) -> None:
+        """``master``'s gradient is about to be dropped: keep it (CPU) for :meth:`_new_grad`."""
+        grad = master.grad
+        if grad is not None and grad.device.type == "cpu" and not grad.is_sparse and master in self.masters_model_of:
+            self._spares[master] = grad
+
+    @property
+    def masters_model_of(self) -> Dict[torch.Tensor, torch.Tensor]:
+        return self.masters.model_of if self.masters is not None else {}
+
+    def _new_grad(self, master: torch.Tensor) -> torch.Tensor:
+        """An FP32 gradient buffer for ``master``: a spare if nothing but this method holds it
+        (no user reference, no view, no tensor sharing its storage), else a new tensor, so a
+        gradient the user kept is never overwritten."""
+        spare = self._spares.pop(master, None)
+        if spare is not None and _unreferenced(spare):
+            return spare
+        return torch.empty_like(master)
 
     def _zero_master_grad(self, master: torch.Tensor) -> None:
         if master in self.deferred:
@@ -263,7 +294,7 @@ class GradientFlow:
                 check_in.append(grad)
                 check_models.append(model)
             elif master.grad is None:
-                master.grad = torch.empty_like(master)
+                master.grad = self._new_grad(master)
                 write_in.append(grad)
                 write_out.append(master.grad)
                 write_models.append(model)
@@ -315,7 +346,7 @@ class GradientFlow:
             return
         masters = list(self.deferred)
         for master in masters:
-            master.grad = torch.empty_like(master)
+            master.grad = self._new_grad(master)
         scratch = torch.zeros_like(self.found_inf)
         ops.unscale_([self.deferred[m] for m in masters], [m.grad for m in masters], self.deferred_inv_scale, scratch)
         self.deferred.clear()
@@ -332,6 +363,7 @@ class GradientFlow:
         """After a skipped or fused step: no gradient of it may reach the next one."""
         for model, master in self.pairs():
             model.grad = None
+            self.keep_spare(master)
             master.grad = None
         self._tokens.clear()
         self._stash.clear()
@@ -341,13 +373,7 @@ class GradientFlow:
     def end_step(self) -> None:
         self._forget_overflow()
 
-    def release_model_grads(self) -> None:
-        """After an update: the model's scaled gradients are spent, their memory goes; cheap
-        tokens keep reflecting what the user does to them onto the masters' gradients."""
-        for model, master in self.distinct_pairs():
-            expected, version, cheap = self._tokens.get(model, _DETACHED)
-            if expected is not None and not cheap and model.grad is expected and expected._version == version:
-                self._park(model, master)
+
 
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer cleared the masters' gradients: the model-side gradients of
@@ -362,8 +388,21 @@ class GradientFlow:
                 if model.grad.grad_fn is not None:
                     model.grad = model.grad.detach()
                 model.grad.zero_()
-                self._token(model, model.grad, cheap=self._tokens.get(model, _DETACHED)[2])
+                self._token(model, model.grad)
         self._stash.clear()
         self.deferred.clear()
+        self._suspects.clear()
         self.pending = None
         self._forget_overflow()
+
+
+def _unreferenced(tensor: torch.Tensor) -> bool:
+    """Whether the caller's one local reference is all that holds ``tensor``: no other Python
+    reference (``sys.getrefcount`` counts the argument too), no other C++ owner of the same
+    tensor, no other tensor (a view, a ``detach()``) on its storage.  The counts are torch
+    internals; where they are missing the answer is "no", which costs only a new buffer."""
+    try:
+        storage_users = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+        return sys.getrefcount(tensor) == 3 and tensor._use_count() == 1 and storage_users == 2
+    except (AttributeError, RuntimeError):
+        return False

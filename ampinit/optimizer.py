@@ -95,8 +95,11 @@ class _AmpOptimizerMixin:
         """Clear the gradients of the masters and of the model parameters behind them, and
         the overflow flag of the step they belonged to (an abandoned backward must not skip
         the next step)."""
-        super().zero_grad(set_to_none=set_to_none)
         binding = binding_of(self)
+        if binding is not None and set_to_none:
+            for master in binding.flow.masters_model_of:
+                binding.flow.keep_spare(master)
+        super().zero_grad(set_to_none=set_to_none)
         if binding is not None:
             binding.flow.zero_grad(set_to_none)
             binding.discard_step()

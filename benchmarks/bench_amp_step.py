@@ -1,7 +1,9 @@
 """Post-backward cost of mixed precision: ampinit against torch, measured in the same run.
 
 What is timed is everything after ``backward()`` up to the updated weights.  Gradients are
-copied in from fixed tensors, standing in for the backward; both sides do the same copy.
+copied in from fixed tensors, standing in for the backward; both sides do the same copy, after
+backpropagating a scaled scalar that reaches no parameter (``scale_loss`` checks that the
+backward went through the scaled loss).
 
 - ``fp32 params (O1-style)``: ampinit ``scale_loss`` exit + ``step`` against
   ``torch.amp.GradScaler`` (``scale``, ``step``, ``update``), with SGD and fp32 gradients.
@@ -34,6 +36,11 @@ def timed(fn, repeats):
     return statistics.median(samples) * 1e3
 
 
+def stand_in_loss():
+    """A loss whose backward reaches no parameter: the gradients are copied in by hand."""
+    return torch.zeros((), requires_grad=True) * 1.0
+
+
 def make_params(n, numel, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(numel, generator=g).to(dtype)) for _ in range(n)]
@@ -44,25 +51,23 @@ def bench_fp32(n, numel, repeats):
     params_t = make_params(n, numel, torch.float32, 0)
     opt_t = torch.optim.SGD(params_t, lr=1e-3, foreach=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    loss_t = sum(p.sum() for p in params_t[:1])
 
     def torch_step():
-        scaled = scaler.scale(loss_t)  # same work ampinit's scale_loss does on entry
+        scaler.scale(stand_in_loss()).backward()
         for p, g in zip(params_t, grads):
             p.grad = g.clone()
-        del scaled
         scaler.step(opt_t)
         scaler.update()
 
     model = torch.nn.ParameterList(make_params(n, numel, torch.float32, 0))
     opt_a = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
     model, opt_a = amp.initialize(model, opt_a, opt_level="O1", verbosity=0)
-    loss_a = model[0].sum()
     params_a = list(model.parameters())
 
     def ampinit_step():
         opt_a.zero_grad()  # torch's side replaces the grads; without this ampinit would accumulate
-        with amp.scale_loss(loss_a, opt_a):
+        with amp.scale_loss(stand_in_loss(), opt_a) as scaled:
+            scaled.backward()
             for p, g in zip(params_a, grads):
                 p.grad = g.clone()
         opt_a.step()
@@ -79,6 +84,7 @@ def bench_o2(n, numel, repeats, low):
     inv_scale = torch.full((1,), 2.0 ** -16)
 
     def torch_step():
+        (stand_in_loss() * 2.0 ** 16).backward()
         for p, g in zip(model_t, grads):
             p.grad = g.clone()
         master_grads = [p.grad.float() for p in model_t]
@@ -95,12 +101,12 @@ def bench_o2(n, numel, repeats, low):
     opt_a = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
     level = "O2" if low == torch.float16 else "O5"
     model, opt_a = amp.initialize(model, opt_a, opt_level=level, verbosity=0, loss_scale="dynamic")
-    loss_a = model[0].float().sum()
     params_a = list(model.parameters())
 
     def ampinit_step():
         opt_a.zero_grad()
-        with amp.scale_loss(loss_a, opt_a):
+        with amp.scale_loss(stand_in_loss(), opt_a) as scaled:
+            scaled.backward()
             for p, g in zip(params_a, grads):
                 p.grad = g.clone()
         opt_a.step()

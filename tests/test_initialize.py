@@ -330,8 +330,9 @@ def test_list_and_single_shapes():
 def test_scale_loss_has_no_host_sync_and_step_has_one(monkeypatch):
     model, opt = make_setup("O2", optimizer="sgd")  # torch's Adam itself calls .item() on CPU
     calls = []
-    real_item = torch.Tensor.item
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or real_item(self))
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real: calls.append(1) or _real(self, *a))
     x, y = batch(0)
     opt.zero_grad()
     with amp.scale_loss(((model(x) - y) ** 2).mean(), opt) as scaled:
