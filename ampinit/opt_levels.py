@@ -221,10 +221,10 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
     if not props["patch_torch_functions"]:
         props["autocast_dtype"] = None
     if props["cast_model_type"] not in _LOW_PRECISION:
-        # The level's master weights and batch-norm rule are moot for a model that is not cast
-        # (apex ignored them); asking for them explicitly is an error (_check_consistent).
-        if master_weights is None:
-            props["master_weights"] = False
+        # The level's batch-norm rule is moot for a model that is not cast (apex ignored it);
+        # asking for it explicitly is an error (_check_consistent).  Master weights are not:
+        # as in apex, the low-precision parameters the optimizers hold (cast by the user) get
+        # FP32 masters.
         if keep_batchnorm_fp32 is None:
             props["keep_batchnorm_fp32"] = None
         if cast_model_outputs is None and props.get("autocast_dtype") is None:
@@ -273,11 +273,10 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
             f"{where}: patch_torch_functions=True (O1-style autocast) with cast_model_type="
             f"{config.cast_model_type} would both autocast and cast the model; use O1/O4 for "
             f"autocast or O2/O3/O5 for a cast model, not both")
-    if config.master_weights and not config.casts_model:
+    if config.master_weights and config.patch_torch_functions:
         raise ValueError(
-            f"{where}: master_weights=True needs a low-precision model "
-            f"(cast_model_type=torch.float16 or torch.bfloat16), but the model stays "
-            f"{config.cast_model_type or 'as it is'}; drop master_weights or use O2/O5")
+            f"{where}: master_weights=True with patch_torch_functions=True (O1-style autocast): autocast keeps the "
+            "model's FP32 weights, so there is nothing to keep masters of; drop master_weights or use O2/O5")
     if config.keep_batchnorm_fp32 is not None and not config.casts_model:
         raise ValueError(
             f"{where}: keep_batchnorm_fp32={config.keep_batchnorm_fp32} only applies when the "

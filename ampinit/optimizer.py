@@ -91,6 +91,16 @@ class _AmpOptimizerMixin:
     # step is already hooked: it calls the base class's hooked step, so step hooks run once.
     step.hooked = True
 
+    # apex's names on the optimizers it processed, for scripts and frameworks that use them:
+    # mmengine's ApexOptimWrapper tells from ``_amp_stash`` that initialize ran, DeepLearningExamples'
+    # BERT resumes through ``_lazy_init_maybe_master_weights`` and ``all_fp32_from_fp16_params``.
+    @property
+    def _amp_stash(self) -> "_AmpStash":
+        return _AmpStash(binding_of(self))
+
+    def _lazy_init_maybe_master_weights(self) -> None:
+        """apex made master weights lazily; ampinit made them in ``initialize``: nothing to do."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and
         the overflow flag of the step they belonged to (an abandoned backward must not skip
@@ -110,6 +120,20 @@ class _AmpOptimizerMixin:
         if binding is None:
             return super().add_param_group(param_group)
         binding.handle.add_param_group(binding, param_group, super().add_param_group)
+
+
+class _AmpStash:
+    """The parts of apex's ``optimizer._amp_stash`` that scripts read (see the mixin)."""
+
+    lazy_init_called = True
+    already_patched = False
+
+    def __init__(self, binding: "OptimizerBinding"):
+        pairs = list(binding.flow.pairs())
+        self.all_fp16_params = [model for model, master in pairs if model is not master]
+        self.all_fp32_from_fp16_params = [master for model, master in pairs if model is not master]
+        self.all_fp32_from_fp32_params = [master for model, master in pairs if model is master]
+        self.params_have_scaled_gradients = binding.flow.pending is not None
 
 
 def _reject_closure(closure: Any) -> None:

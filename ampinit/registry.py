@@ -27,10 +27,10 @@ from torch.overrides import TorchFunctionMode
 
 from ._tree import cast_floating, iter_tensors
 
-__all__ = ["half_function", "float_function", "promote_function", "register_half_function",
-           "register_float_function", "register_promote_function", "disable_casts"]
+__all__ = ["half_function", "bfloat16_function", "float_function", "promote_function", "register_half_function",
+           "register_bfloat16_function", "register_float_function", "register_promote_function", "disable_casts"]
 
-HALF, FLOAT, PROMOTE = "half", "float", "promote"
+HALF, BFLOAT16, FLOAT, PROMOTE = "half", "bfloat16", "float", "promote"
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 # torch callables registered by the user -> cast policy.  Populated only through the
@@ -41,6 +41,8 @@ _TORCH_POLICIES: Dict[Any, str] = {}
 def _target_dtype(policy: str, device_type: str, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
     if policy == HALF:
         return torch.get_autocast_dtype(device_type)
+    if policy == BFLOAT16:
+        return torch.bfloat16
     if policy == FLOAT:
         return torch.float32
     floating = [t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
@@ -85,6 +87,7 @@ def _decorator(policy: str) -> Callable[[Callable], Callable]:
 
 
 half_function = _decorator(HALF)
+bfloat16_function = _decorator(BFLOAT16)
 float_function = _decorator(FLOAT)
 promote_function = _decorator(PROMOTE)
 
@@ -114,6 +117,11 @@ def _register(module: Any, name: str, policy: str) -> None:
 def register_half_function(module: Any, name: str) -> None:
     """Cast the arguments of ``module.name`` to the autocast (half) dtype under O1/O4."""
     _register(module, name, HALF)
+
+
+def register_bfloat16_function(module: Any, name: str) -> None:
+    """Cast the arguments of ``module.name`` to bfloat16 under O1/O4 (apex's bf16 builds)."""
+    _register(module, name, BFLOAT16)
 
 
 def register_float_function(module: Any, name: str) -> None:

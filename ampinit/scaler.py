@@ -120,6 +120,31 @@ class LossScaler:
                           hysteresis=self.hysteresis, min_scale=self.min_loss_scale,
                           max_scale=self.max_loss_scale if self.dynamic else math.inf)
 
+    # -- apex scripts set these directly (``_amp_state.loss_scalers[i]._loss_scale = ...``) -------
+    def set_scale(self, value: float) -> None:
+        """Set the current scale (a dynamic one within ``[min_loss_scale, max_loss_scale]``)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 < value <= _FLOAT32_MAX:
+            raise ValueError(f"a loss scale must be a number in (0, {_FLOAT32_MAX:.4g}]; got {value!r}")
+        if self.dynamic and not self.min_loss_scale <= value <= self.max_loss_scale:
+            raise ValueError(f"loss scale {value:g} is outside [min_loss_scale, max_loss_scale] = "
+                             f"[{self.min_loss_scale:g}, {self.max_loss_scale:g}]")
+        self._scale.fill_(float(value))
+
+    def set_growth_interval(self, value: int) -> None:
+        """Clean backwards between growths of a dynamic scale (apex's ``_scale_seq_len``)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2 ** 31:
+            raise ValueError(f"growth_interval must be an int in [1, 2**31); got {value!r}")
+        self.growth_interval = value
+
+    def set_bounds(self, min_loss_scale: Optional[float] = None, max_loss_scale: Optional[float] = None) -> None:
+        """Change the floor and/or ceiling of a dynamic scale."""
+        low = self.min_loss_scale if min_loss_scale is None else float(min_loss_scale)
+        high = self.max_loss_scale if max_loss_scale is None else float(max_loss_scale)
+        if not (math.isfinite(low) and math.isfinite(high) and 0 < low <= high):
+            raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale, both finite; got {low} and {high}")
+        self.min_loss_scale, self.max_loss_scale = low, high
+
     def state_dict(self) -> Dict[str, Any]:
         """apex's ``{"loss_scale", "unskipped"}`` plus the rest of the state.  Synchronises."""
         return {

@@ -43,7 +43,7 @@ def test_zero_instead_of_letter_o(bad):
     (dict(opt_level="O9"), "unknown opt_level"),
     (dict(opt_level=2), "string"),
     (dict(opt_level="O1", cast_model_type=torch.float16), "autocast"),
-    (dict(opt_level="O1", master_weights=True), "master_weights=True needs"),
+    (dict(opt_level="O1", master_weights=True), "nothing to keep masters of"),
     (dict(opt_level="O0", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
     (dict(opt_level="O2", loss_scale=0), "> 0"),
     (dict(opt_level="O2", loss_scale="huge"), "loss_scale"),
@@ -59,3 +59,20 @@ def test_zero_instead_of_letter_o(bad):
 def test_contradictions_and_bad_values(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         resolve_config(**kwargs)
+
+
+def test_cast_model_type_false_means_no_cast_and_keeps_masters():
+    """apex's code: cast_model_type=False does not cast; O2's master weights still apply to the
+    low-precision parameters the user made, and the batch-norm rule is moot."""
+    c = resolve_config("O2", cast_model_type=False)
+    assert c.cast_model_type is None and c.master_weights is True and c.keep_batchnorm_fp32 is None
+    assert c.loss_scale == "dynamic"
+    assert resolve_config("O3", cast_model_type="False").cast_model_type is None
+
+
+def test_dynamic_scale_options():
+    c = resolve_config("O2", init_scale=2.0 ** 10, growth_interval=128, growth_factor=4.0, backoff_factor=0.25,
+                       hysteresis=3)
+    assert (c.init_scale, c.growth_interval, c.growth_factor, c.backoff_factor, c.hysteresis) == \
+        (1024.0, 128, 4.0, 0.25, 3)
+    assert resolve_config("O1", init_scale="256").init_scale == 256.0  # argparse strings, as apex's options
