@@ -317,16 +317,29 @@ class AmpHandle:
             for flow in flows:
                 flow.delay(loss_id, scaler.updates)
             return
+        self._unscale(bindings, loss_id)
+
+    def _unscale(self, bindings: Sequence[OptimizerBinding], loss_id: int) -> None:
+        """Unscale the bindings' new gradients with loss ``loss_id``'s scale, fold the overflow
+        into their flags and advance the scale.  No host sync."""
+        scaler = self.loss_scalers[loss_id]
         scaler.found_inf.zero_()
         inv_scale = scaler.inv_scale()
-        for flow in flows:
-            flow.unscale(inv_scale, scaler.found_inf)
+        for binding in bindings:
+            binding.flow.unscale(inv_scale, scaler.found_inf)
         if self._shard_groups:  # each rank checked only its shard: agree before deciding
             distributed.all_reduce_found_inf_(scaler.found_inf, self._shard_groups)
         for binding in bindings:
             torch.maximum(binding.flow.found_inf, scaler.found_inf, out=binding.flow.found_inf)
             binding.loss_ids_since_step.add(loss_id)
         scaler.update()
+
+    def unscale_delayed(self, bindings: Sequence[OptimizerBinding]) -> None:
+        """Unscale gradients that ``delay_unscale=True`` backwards left scaled, without another
+        backward (apex's ``FP16_Optimizer.update_master_grads()``).  No host sync."""
+        for loss_id in sorted({b.flow.pending.loss_id for b in bindings if b.flow.pending is not None}):
+            self._unscale([b for b in bindings if b.flow.pending is not None and b.flow.pending.loss_id == loss_id],
+                          loss_id)
 
     # -- parameters added later -----------------------------------------------------------------
     def add_param_group(self, binding: OptimizerBinding, param_group: Any,

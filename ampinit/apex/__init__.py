@@ -122,19 +122,22 @@ def install_apex_alias() -> Dict[str, str]:
         logger.warning("ampinit: a real apex with apex.amp is installed (%s); the apex alias leaves it alone",
                        getattr(real, "__file__", real))
         return {name: "apex" for name in ALIASED}
-    result = {}
+    result: Dict[str, str] = {}
     for name, target in ALIASED.items():
-        if real is not None and name in sys.modules and sys.modules[name].__name__ != target:
-            result[name] = "apex"
-            continue
-        if real is not None and name not in sys.modules and name != "apex" and _importable(name):
-            result[name] = "apex"
-            continue
+        parent, _, child = name.rpartition(".")
+        if real is not None and result.get(parent) != "ampinit":  # under ampinit's own modules: ours
+            if name in sys.modules and sys.modules[name].__name__ != target:
+                result[name] = "apex"
+                continue
+            if name != "apex" and _importable(name):
+                result[name] = "apex"
+                continue
         module = importlib.import_module(target)
         sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent and parent in sys.modules and child != "_amp_state":
-            setattr(sys.modules[parent], child, _attribute_for(name, module))
+        holder = sys.modules.get(parent) if parent else None
+        if holder is not None and child != "_amp_state" and (result.get(parent) == "ampinit"
+                                                              or not hasattr(holder, child)):
+            setattr(holder, child, _attribute_for(name, module))
         result[name] = "ampinit"
     if real is not None:
         _add_missing_attributes()

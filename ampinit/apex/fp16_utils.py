@@ -1,0 +1,282 @@
+"""``apex.fp16_utils``: apex's manual mixed-precision helpers, before ``amp``.
+
+The model helpers (``network_to_half``, ``convert_network``, ``prep_param_lists``, ...) are
+small torch functions.  :class:`FP16_Optimizer` is apex's O2-style wrapper, built on ampinit:
+FP32 master weights for the model's fp16/bf16 parameters, a static or dynamic loss scale, a
+skipped step on overflow, the master -> model copy after each step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..handle import AmpHandle
+from ..opt_levels import resolve_config
+from ..optimizer import binding_of
+
+__all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
+           "FP16Model", "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params",
+           "clip_grad_norm", "FP16_Optimizer"]
+
+logger = logging.getLogger("ampinit")
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+
+def to_python_float(t: Any) -> float:
+    """A one-element tensor's value as a Python number (a sync on CUDA)."""
+    return t.item() if hasattr(t, "item") else t[0]
+
+
+class tofp16(nn.Module):  # noqa: N801 (apex's name)
+    """A module that casts its input to fp16."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input.half()
+
+
+def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 (apex's name)
+    """Put affine batch-norm layers back in FP32 (after ``model.half()``)."""
+    if isinstance(module, _BatchNorm) and module.affine:
+        module.float()
+    for child in module.children():
+        BN_convert_float(child)
+    return module
+
+
+def network_to_half(network: nn.Module) -> nn.Module:
+    """``network`` in fp16 (batch norm in FP32) behind a module that casts its input."""
+    return nn.Sequential(tofp16(), BN_convert_float(network.half()))
+
+
+def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters (with their gradients) and buffers of ``module``
+    itself, not of its children."""
+    for param in module.parameters(recurse=False):
+        if param is not None and param.is_floating_point():
+            param.data = param.data.to(dtype)
+            if param.grad is not None:
+                param.grad = param.grad.to(dtype)
+    for buffer in module.buffers(recurse=False):
+        if buffer is not None and buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
+
+
+def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast every module of ``network`` but affine batch norm to ``dtype``."""
+    for module in network.modules():
+        if isinstance(module, _BatchNorm) and module.affine:
+            continue
+        convert_module(module, dtype)
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
+    return network
+
+
+class FP16Model(nn.Module):
+    """A network converted to fp16 (batch norm in FP32) whose inputs are cast to fp16."""
+
+    def __init__(self, network: nn.Module):
+        super().__init__()
+        self.network = convert_network(network, dtype=torch.half)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.network(*(t.half() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs))
+
+
+def prep_param_lists(model: nn.Module, flat_master: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """``(model_params, master_params)``: the model's trainable parameters and FP32 copies of
+    them (one flat FP32 parameter with a gradient buffer if ``flat_master``)."""
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        if len({p.dtype for p in model_params}) > 1:
+            raise TypeError("flat_master=True needs parameters of one dtype; got "
+                            f"{sorted({str(p.dtype) for p in model_params})}")
+        flat = torch._utils._flatten_dense_tensors([p.detach() for p in model_params]).float()
+        master = nn.Parameter(flat)
+        master.grad = torch.zeros_like(master)
+        return model_params, [master]
+    masters = [nn.Parameter(p.detach().clone().float()) for p in model_params]
+    return model_params, masters
+
+
+def model_grads_to_master_grads(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
+                                flat_master: bool = False) -> None:
+    """Copy the model's gradients into the masters' (FP32), allocating them as needed."""
+    if flat_master:
+        master_params[0].grad.copy_(torch._utils._flatten_dense_tensors([p.grad for p in model_params]))
+        return
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+        elif master.grad is None:
+            master.grad = model.grad.detach().float()
+        else:
+            master.grad.copy_(model.grad)
+
+
+def master_params_to_model_params(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
+                                  flat_master: bool = False) -> None:
+    """Copy the masters' values into the model's parameters."""
+    with torch.no_grad():
+        if flat_master:
+            for model, value in zip(model_params,
+                                    torch._utils._unflatten_dense_tensors(master_params[0].data, model_params)):
+                model.copy_(value)
+            return
+        for model, master in zip(model_params, master_params):
+            model.copy_(master)
+
+
+class FP16_Optimizer:  # noqa: N801 (apex's name)
+    """apex's ``FP16_Optimizer`` on ampinit: ``init_optimizer`` over a model you cast yourself
+    (``model.half()``, ``network_to_half``) trains FP32 master copies of its fp16/bf16 parameters.
+
+    ``backward(loss)`` scales the loss, backpropagates and unscales into the masters (with
+    ``update_master_grads=False`` the gradients stay scaled until :meth:`update_master_grads`,
+    for accumulation); ``step()`` skips an overflowing step (and lowers a dynamic scale), else
+    updates the masters and copies them into the model.  ``static_loss_scale`` or
+    ``dynamic_loss_scale=True`` with ``dynamic_loss_args`` (``init_scale``, ``scale_window``,
+    ``min_loss_scale``, ``max_loss_scale``; apex's ``scale_factor`` is accepted and, as in apex,
+    the factor is 2).  ``closure`` in ``step`` is not supported.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[Dict[str, Any]] = None,
+                 verbose: bool = True):
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer; got {type(init_optimizer).__name__}")
+        if binding_of(init_optimizer) is not None:
+            raise RuntimeError("this optimizer already went through ampinit.initialize, which does what "
+                               "FP16_Optimizer does: use one of them")
+        params = [p for g in init_optimizer.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("FP16_Optimizer needs an optimizer with parameters")
+        scaling: Dict[str, Any] = {"loss_scale": "dynamic" if dynamic_loss_scale else static_loss_scale}
+        if dynamic_loss_scale:
+            args = dict(dynamic_loss_args or {})
+            args.pop("scale_factor", None)  # apex's LossScaler ignores it: the factor is 2
+            unknown = set(args) - {"init_scale", "scale_window", "min_loss_scale", "max_loss_scale"}
+            if unknown:
+                raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex took init_scale, scale_factor, "
+                                 "scale_window, min_loss_scale, max_loss_scale")
+            if "scale_window" in args:
+                scaling["growth_interval"] = args.pop("scale_window")
+            scaling.update(args)
+        elif dynamic_loss_args:
+            raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
+        config = resolve_config("O2", cast_model_type=False, verbosity=1 if verbose else 0, **scaling)
+        self.optimizer = init_optimizer
+        self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)
+        self._binding = binding_of(init_optimizer)
+        self._scaler = self._handle.loss_scalers[0]
+
+    # -- apex's API -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
+        """``(loss * scale).backward()``; the gradients are unscaled into the masters unless
+        ``update_master_grads=False`` (then call :meth:`update_master_grads` before ``step``)."""
+        with self._handle.scale_loss(loss, [self._binding], 0, not update_master_grads) as scaled:
+            scaled.backward(retain_graph=retain_graph)
+
+    def update_master_grads(self) -> None:
+        """Unscale gradients left scaled by ``backward(..., update_master_grads=False)``."""
+        self._handle.unscale_delayed([self._binding])
+
+    def step(self, closure: Any = None) -> Any:
+        """Update (or skip, on overflow) and copy the masters into the model.  One host sync."""
+        if closure is not None:
+            raise NotImplementedError("FP16_Optimizer.step(closure) is not supported by ampinit: call backward() "
+                                      "and then step()")
+        return self.optimizer.step()
+
+    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 (apex's name)
+        self.optimizer.zero_grad(set_to_none=set_grads_to_None)
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
+        """Clip the masters' gradients; returns their total norm, or -1 after an overflow (as
+        apex).  Reads the overflow flag and the norm on the host."""
+        if self.overflow:
+            return -1
+        return float(torch.nn.utils.clip_grad_norm_(self._masters(), max_norm, norm_type))
+
+    def inspect_master_grad_data(self) -> Optional[List[List[Optional[torch.Tensor]]]]:
+        if self.overflow:
+            return None
+        return [[None if p.grad is None else p.grad.data for p in group["params"]]
+                for group in self.optimizer.param_groups]
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the gradients since the last step overflowed (a host sync)."""
+        flow = self._binding.flow
+        return bool(flow.unscaled_since_step and flow.found_inf.item())
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._scaler.set_scale(value)
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:
+        return self.optimizer.state
+
+    def _masters(self) -> List[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def all_fp16_params(self) -> List[torch.Tensor]:
+        return [model for model, master in self._binding.flow.pairs() if model is not master]
+
+    @property
+    def all_fp32_from_fp16_params(self) -> List[torch.Tensor]:
+        return [master for model, master in self._binding.flow.pairs() if model is not master]
+
+    @property
+    def all_fp32_from_fp32_params(self) -> List[torch.Tensor]:
+        return [master for model, master in self._binding.flow.pairs() if model is master]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The optimizer's state, the loss scale's, and the FP32 masters (a host sync)."""
+        return {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
+                "overflow": self.overflow, "first_closure_call_this_step": True,
+                "optimizer_state_dict": self.optimizer.state_dict(),
+                "fp32_from_fp16": [p.detach().clone() for p in self.all_fp32_from_fp16_params]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the model takes the masters' rounding."""
+        if not isinstance(state_dict, dict) or "optimizer_state_dict" not in state_dict:
+            raise ValueError("not an FP16_Optimizer state_dict (no 'optimizer_state_dict')")
+        scaler_state = state_dict.get("loss_scaler")
+        masters = state_dict.get("fp32_from_fp16", [])
+        mine = self.all_fp32_from_fp16_params
+        if len(masters) != len(mine) or any(a.shape != b.shape for a, b in zip(masters, mine)):
+            raise ValueError("the checkpoint's fp32_from_fp16 masters do not match this optimizer's parameters")
+        if isinstance(scaler_state, dict):
+            self._scaler.check_state_dict(scaler_state)
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        if isinstance(scaler_state, dict):
+            self._scaler.load_state_dict(scaler_state)
+        else:
+            logger.warning("ampinit: FP16_Optimizer checkpoint without a loss scaler state dict (apex pickled its "
+                           "LossScaler object); keeping the current loss scale")
+        with torch.no_grad():
+            for master, value in zip(mine, masters):
+                master.copy_(value)
+        self._handle.masters.copy_to_model(mine)
+
+    def __getstate__(self) -> dict:
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __repr__(self) -> str:
+        return f"FP16_Optimizer({self.optimizer!r}, loss_scale={'dynamic' if self._scaler.dynamic else 'static'})"

@@ -1,0 +1,221 @@
+"""The apex alias: apex's names resolve to ampinit, frameworks' detection finds it, a real apex is
+respected, and ``python -m ampinit.run`` runs apex-era scripts unchanged."""
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture
+def alias():
+    ampinit.install_apex_alias()
+    yield
+    ampinit.uninstall_apex_alias()
+
+
+def run(args, cwd=ROOT, env=None, timeout=300):
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_names_resolve_to_ampinit(alias):
+    import amp_C
+    import apex
+    import apex.amp._amp_state
+    from apex import amp
+    from apex.amp import _amp_state
+    from apex.fp16_utils import FP16_Optimizer, to_python_float  # noqa: F401
+    from apex.multi_tensor_apply import multi_tensor_applier  # noqa: F401
+    from apex.optimizers import FusedAdam, FusedLAMB, FusedSGD  # noqa: F401
+    from apex.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model  # noqa: F401
+    from apex.parallel.LARC import LARC as LARC2
+
+    assert amp is ampinit and apex.amp is ampinit and _amp_state is ampinit._amp_state
+    assert apex.amp._amp_state is ampinit._amp_state  # the instance, as in apex, also after the submodule import
+    assert LARC2 is LARC and apex.parallel.LARC is LARC
+    assert apex.optimizers.FusedAdam is ampinit.optim.FusedAdam and "multi_tensor_scale" in dir(amp_C)
+    assert "state_dict" in amp.__dict__ and "load_state_dict" in amp.__dict__  # timm's check
+    assert amp.__path__  # DeepSpeed logs it
+    assert to_python_float(torch.tensor([2.5])) == 2.5
+
+
+def test_frameworks_detection_finds_apex(alias):
+    spec = importlib.util.find_spec("apex")
+    assert spec is not None and importlib.util.find_spec("apex.amp") is not None
+    assert importlib.metadata.version("apex").startswith("0.1")
+    with pytest.raises(ModuleNotFoundError):  # what apex has and ampinit does not stays missing
+        importlib.import_module("apex.normalization")
+
+
+def test_uninstall_removes_everything():
+    ampinit.install_apex_alias()
+    ampinit.install_apex_alias()  # idempotent
+    ampinit.uninstall_apex_alias()
+    for name in ("apex", "apex.amp", "amp_C", "apex.optimizers"):
+        assert name not in sys.modules
+    assert importlib.util.find_spec("apex") is None
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+
+
+def test_gnmt_amp_state_pattern(alias):
+    """DeepLearningExamples GNMT: initial scale 8192 and growth every 128 clean backwards, set
+    through apex's private state (s_amp_state)."""
+    import apex.amp._amp_state
+    from apex import amp
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), opt_level="O2", verbosity=0)
+    loss_scaler = apex.amp._amp_state.loss_scalers[0]
+    loss_scaler._loss_scale = 8192
+    loss_scaler._scale_seq_len = 128
+    assert loss_scaler.loss_scale() == 8192.0 and opt.amp.loss_scalers[0].growth_interval == 128
+    for _ in range(128):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert loss_scaler._loss_scale == 16384.0 and loss_scaler._unskipped == 0
+    assert amp._amp_state.opt_properties.opt_level == "O2" and amp._amp_state.opt_properties.master_weights
+    with pytest.raises(AttributeError, match="not emulated"):
+        loss_scaler.update_scale()
+
+
+def test_initialize_keyword_arguments_as_frameworks_pass_them(alias):
+    """NeMo passes models=/optimizers= by keyword, mmengine every apex option (None included),
+    Lightning a list of optimizers; the optimizer then has apex's _amp_stash."""
+    from apex import amp
+    model = nn.Linear(4, 2)
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    _, out = amp.initialize(models=model, optimizers=opts, opt_level="O1", loss_scale="dynamic", enabled=True,
+                            cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
+                            master_weights=None, cast_model_outputs=None, num_losses=1, verbosity=0,
+                            min_loss_scale=None, max_loss_scale=16777216.0)
+    assert isinstance(out, list) and hasattr(out[0], "_amp_stash")
+    amp.end(model)
+    assert not hasattr(opts[0], "_amp_stash")
+
+
+def test_legacy_init_raises_with_the_replacement():
+    with pytest.raises(RuntimeError, match=r"amp.initialize\(model, optimizer"):
+        ampinit.init(enabled=True)
+
+
+# -- a real apex next to the alias -------------------------------------------------------------
+
+def _fake_real_apex(tmp_path, with_amp):
+    root = tmp_path / "site"
+    (root / "apex" / "optimizers").mkdir(parents=True)
+    (root / "apex" / "__init__.py").write_text("REAL = True\n")
+    (root / "apex" / "optimizers" / "__init__.py").write_text("class FusedAdam:\n    REAL = True\n")
+    (root / "apex" / "parallel").mkdir()
+    (root / "apex" / "parallel" / "__init__.py").write_text("class SyncBatchNorm:\n    REAL = True\n")
+    if with_amp:
+        (root / "apex" / "amp").mkdir()
+        (root / "apex" / "amp" / "__init__.py").write_text("REAL = True\n")
+    return root
+
+
+@pytest.mark.parametrize("with_amp", [False, True])
+def test_a_real_apex_is_respected(tmp_path, with_amp):
+    root = _fake_real_apex(tmp_path, with_amp)
+    code = textwrap.dedent("""
+        import json, logging, sys
+        logging.basicConfig(level=logging.WARNING)
+        import ampinit
+        ampinit.install_apex_alias()
+        import apex, apex.optimizers, apex.parallel
+        from apex import amp
+        print(json.dumps({"amp_is_ampinit": amp is ampinit,
+                          "real_optimizers": getattr(apex.optimizers.FusedAdam, "REAL", False),
+                          "real_syncbn": getattr(apex.parallel.SyncBatchNorm, "REAL", False),
+                          "ddp_added": hasattr(apex.parallel, "DistributedDataParallel"),
+                          "fp16_utils": "apex.fp16_utils" in sys.modules}))
+    """)
+    result = run(["-c", code], env={"PYTHONPATH": os.pathsep.join([str(root), ROOT])})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["real_optimizers"] and report["real_syncbn"]  # apex's own modules stay
+    if with_amp:
+        assert not report["amp_is_ampinit"] and not report["ddp_added"] and "leaves it alone" in result.stderr
+    else:
+        assert report["amp_is_ampinit"] and report["ddp_added"] and report["fp16_utils"]
+
+
+# -- python -m ampinit.run --------------------------------------------------------------------------
+
+APEX_SCRIPT = """
+import sys, json
+import torch
+from apex import amp
+from apex.optimizers import FusedAdam
+from apex.fp16_utils import to_python_float
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = FusedAdam(model.parameters(), lr=1e-2)
+model, optimizer = amp.initialize(model, optimizer, opt_level=sys.argv[1], verbosity=0)
+x = torch.randn(64, 4); y = x.sum(1, keepdim=True)
+losses = []
+for step in range(30):
+    optimizer.zero_grad()
+    loss = ((model(x).float() - y) ** 2).mean()
+    with amp.scale_loss(loss * (float("inf") if step == 3 else 1.0), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    losses.append(to_python_float(loss))
+print(json.dumps({"name": __name__, "argv": sys.argv, "first": losses[0], "last": losses[-1],
+                  "skipped": optimizer.amp.skipped_steps}))
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+"""
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_run_an_apex_script_unchanged(tmp_path, opt_level):
+    script = tmp_path / "train.py"
+    script.write_text(APEX_SCRIPT)
+    result = run(["-m", "ampinit.run", str(script), opt_level], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["name"] == "__main__" and report["argv"] == [str(script), opt_level]
+    assert report["skipped"] == 1 and report["last"] < report["first"] / 4
+
+
+def test_run_exit_codes_module_mode_and_errors(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(APEX_SCRIPT)
+    assert run(["-m", "ampinit.run", str(script), "O2", "7"], cwd=tmp_path).returncode == 7
+    (tmp_path / "trainer_pkg").mkdir()
+    (tmp_path / "trainer_pkg" / "__init__.py").write_text("")
+    (tmp_path / "trainer_pkg" / "train.py").write_text(APEX_SCRIPT)
+    result = run(["-m", "ampinit.run", "-m", "trainer_pkg.train", "O1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["name"] == "__main__"
+    failing = tmp_path / "fail.py"
+    failing.write_text("raise ValueError('boom')\n")
+    result = run(["-m", "ampinit.run", str(failing)], cwd=tmp_path)
+    assert result.returncode == 1 and "ValueError: boom" in result.stderr
+    result = run(["-m", "ampinit.run", str(tmp_path / "missing.py")], cwd=tmp_path)
+    assert result.returncode != 0 and "no such file" in result.stderr
+    result = run(["-m", "ampinit.run"], cwd=tmp_path)
+    assert result.returncode == 2 and "usage" in result.stdout
+
+
+def test_alias_logging_is_quiet_by_default(caplog, alias):
+    with caplog.at_level(logging.INFO, logger="ampinit"):
+        ampinit.install_apex_alias()
+    assert not caplog.records

@@ -1,0 +1,204 @@
+"""apex.parallel and apex.fp16_utils as ampinit provides them: DistributedDataParallel with
+apex's arguments, SyncBatchNorm on the CPU, LARC, and FP16_Optimizer, each against a reference."""
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import ampinit as amp
+from ampinit.apex import fp16_utils, parallel
+
+WORLD = 2
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard(rank, n=8):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def ddp_worker(rank, port, kwargs, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(rank)  # apex's DDP broadcasts rank 0's weights; so does torch's
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+        model = parallel.convert_syncbn_model(model)  # apex's order: convert, initialize, wrap
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        ddp = parallel.DistributedDataParallel(model, **kwargs)
+        x, y = _shard(rank)
+        opt.zero_grad()
+        with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        grads = [p.grad.detach().clone() for p in amp.master_params(opt)]
+        opt.step()
+        torch.save({"grads": grads, "running_mean": model[1].running_mean.clone()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs, average", [
+    ({}, True),
+    ({"message_size": 10, "allreduce_always_fp32": True, "gradient_predivide_factor": 2.0}, True),
+    ({"delay_allreduce": True, "gradient_average": False}, False),
+])
+def test_distributed_data_parallel_with_apex_arguments(kwargs, average, tmp_path):
+    """2 ranks, different seeds and data, SyncBatchNorm on the CPU: the gradients equal one
+    process's on the whole batch (averaged) or twice that (gradient_average=False)."""
+    mp.spawn(ddp_worker, args=(free_port(), kwargs, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for a, b in zip(results[0]["grads"], results[1]["grads"]):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    xs, ys = zip(*(_shard(r) for r in range(WORLD)))
+    x, y = torch.cat(xs), torch.cat(ys)
+    # the whole batch through one batch norm; each rank's loss is a mean over its own shard
+    out = model(x).float()
+    loss = sum(((out[r * 8:(r + 1) * 8] - y[r * 8:(r + 1) * 8]) ** 2).mean() for r in range(WORLD))
+    with amp.scale_loss(loss / WORLD * (1 if average else WORLD), opt) as scaled:
+        scaled.backward()
+    for got, want in zip(results[0]["grads"], amp.master_params(opt)):
+        torch.testing.assert_close(got, want.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(results[0]["running_mean"], model[1].running_mean, rtol=1e-3, atol=1e-4)
+
+
+def test_distributed_data_parallel_rejects_what_apex_rejected():
+    with pytest.raises(ValueError, match="shared_param"):
+        parallel.DistributedDataParallel(nn.Linear(2, 2), shared_param=True)
+    with pytest.raises(ValueError, match="contradict"):
+        parallel.DistributedDataParallel(nn.Linear(2, 2), delay_allreduce=True, allreduce_trigger_params=[])
+    with pytest.raises(ValueError, match="message_size"):
+        parallel.DistributedDataParallel(nn.Linear(2, 2), message_size=0)
+
+
+def test_sync_batchnorm_in_one_process_is_batchnorm():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    converted = parallel.convert_syncbn_model(copy.deepcopy(plain))
+    assert isinstance(converted[1], parallel.SyncBatchNorm)
+    x = torch.randn(5, 3, 8, 8)
+    torch.testing.assert_close(converted(x), plain(x))
+    torch.testing.assert_close(converted[1].running_var, plain[1].running_var)
+    converted.eval()
+    plain.eval()
+    torch.testing.assert_close(converted(x), plain(x))
+    with pytest.raises(ValueError, match="channel_last"):
+        parallel.SyncBatchNorm(4, channel_last=True)
+
+
+def test_larc_matches_its_definition():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5))
+    g = torch.randn(5)
+    sgd = torch.optim.SGD([w], lr=0.5, weight_decay=0.01)
+    larc = parallel.LARC(sgd, trust_coefficient=0.02, clip=True)
+    w.grad = g.clone()
+    before = w.detach().clone()
+    larc.step()
+    local = 0.02 * before.norm() / (g.norm() + before.norm() * 0.01 + 1e-8)
+    local = min(local / 0.5, torch.tensor(1.0))
+    expected = before - 0.5 * (g + 0.01 * before) * local
+    torch.testing.assert_close(w.detach(), expected)
+    assert sgd.param_groups[0]["weight_decay"] == 0.01  # restored after the step
+    assert larc.param_groups is sgd.param_groups and larc.state is sgd.state
+
+
+# -- fp16_utils ------------------------------------------------------------------------------------
+
+def test_model_helpers():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    half = fp16_utils.network_to_half(copy.deepcopy(net))
+    assert half[1][0].weight.dtype == torch.float16 and half[1][1].weight.dtype == torch.float32
+    assert half(torch.randn(5, 3)).dtype == torch.float16
+    model_params, masters = fp16_utils.prep_param_lists(half)
+    assert all(m.dtype == torch.float32 for m in masters) and len(masters) == len(model_params)
+    half(torch.randn(5, 3)).float().sum().backward()
+    fp16_utils.model_grads_to_master_grads(model_params, masters)
+    assert all(torch.equal(m.grad, p.grad.float()) for p, m in zip(model_params, masters))
+    with torch.no_grad():
+        for m in masters:
+            m.add_(1)
+    fp16_utils.master_params_to_model_params(model_params, masters)
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(model_params, masters))
+    flat_model = fp16_utils.convert_network(copy.deepcopy(net), torch.float16)
+    model_params, (flat,) = fp16_utils.prep_param_lists(nn.Sequential(flat_model[0], flat_model[2]), flat_master=True)
+    assert flat.numel() == sum(p.numel() for p in model_params) and flat.grad is not None
+    assert fp16_utils.to_python_float(torch.tensor(3.0)) == 3.0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fp16_optimizer_trains_like_ampinit_o2(dynamic):
+    """apex's FP16_Optimizer loop (model.half(), optimizer.backward(loss), step) against the same
+    model under ampinit's O2: the masters agree; an overflow is skipped."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    data = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(6)]
+    model = copy.deepcopy(base).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    static_loss_scale=128.0, dynamic_loss_scale=dynamic,
+                                    dynamic_loss_args={"init_scale": 2.0 ** 10} if dynamic else None, verbose=False)
+    ref = copy.deepcopy(base)
+    ref, ref_opt = amp.initialize(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), opt_level="O2",
+                                  loss_scale="dynamic" if dynamic else 128.0, verbosity=0,
+                                  **({"init_scale": 2.0 ** 10} if dynamic else {}))
+    for step, (x, y) in enumerate(data):
+        poison = float("inf") if step == 2 else 1.0
+        opt.zero_grad()
+        opt.backward(((model(x.half()).float() - y) ** 2).mean() * poison)
+        assert opt.overflow == (step == 2)
+        opt.step()
+        ref_opt.zero_grad()
+        with amp.scale_loss(((ref(x).float() - y) ** 2).mean() * poison, ref_opt) as scaled:
+            scaled.backward()
+        ref_opt.step()
+    for a, b in zip(opt.all_fp32_from_fp16_params, amp.master_params(ref_opt)):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    assert opt.loss_scale == (2.0 ** 9 if dynamic else 128.0)
+    # accumulation with update_master_grads=False, then a state_dict round trip
+    opt.zero_grad()
+    for x, y in data[:2]:
+        opt.backward(((model(x.half()).float() - y) ** 2).mean(), update_master_grads=False)
+    opt.update_master_grads()
+    norm = opt.clip_master_grads(1.0)
+    assert norm > 0
+    opt.step()
+    state = opt.state_dict()
+    fresh = copy.deepcopy(base).half()
+    opt2 = fp16_utils.FP16_Optimizer(torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9),
+                                     static_loss_scale=128.0, dynamic_loss_scale=dynamic, verbose=False)
+    opt2.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(opt.all_fp32_from_fp16_params, opt2.all_fp32_from_fp16_params))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    assert opt2.loss_scale == opt.loss_scale
+
+
+def test_fp16_optimizer_rejects_bad_input():
+    with pytest.raises(TypeError):
+        fp16_utils.FP16_Optimizer("sgd")
+    model = nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="dynamic_loss_args"):
+        fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_args={"init_scale": 2.0})
+    with pytest.raises(ValueError, match="unknown"):
+        fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                                  dynamic_loss_args={"bogus": 1})
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    with pytest.raises(NotImplementedError, match="closure"):
+        opt.step(lambda: 0)
+    with pytest.raises(RuntimeError, match="state_dict"):
+        copy.deepcopy(opt)
