@@ -18,6 +18,7 @@ that names the replacement.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -35,7 +36,7 @@ _Bucket = List[torch.Tensor]
 def _check_number(name: str, value: Any, low: float = 0.0, high: Optional[float] = None,
                    high_open: bool = True) -> None:
     """``ValueError`` unless ``value`` is a real number in ``[low, high)`` (or ``[low, high]``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"Invalid {name}: {value!r}; expected a number")
     if value < low:
         raise ValueError(f"Invalid {name}: {value}; must be >= {low}")
@@ -325,7 +326,7 @@ class FusedNovoGrad(_ForeachOptimizer):
         exp_avgs = [self._state_fp32(p, "exp_avg") for p in params]
 
         # The per-tensor second moments: initialise on a param's first step, then blend in n.
-        grad_norms = torch._foreach_norm(grads32, math.inf if max_norm else 2)
+        grad_norms = self._grad_norms(grads32, max_norm)
         moments = []
         for param, norm in zip(params, grad_norms):
             state = self.state[param]
@@ -355,6 +356,16 @@ class FusedNovoGrad(_ForeachOptimizer):
                 torch._foreach_add_(updates, params32, alpha=wd)
         torch._foreach_add_(params32, updates, alpha=-lr)
         self._write_back(params, params32)
+
+
+    @staticmethod
+    def _grad_norms(grads: List[torch.Tensor], max_norm: bool) -> List[torch.Tensor]:
+        """Each gradient's L2 or max norm (0 for an empty tensor, whose max norm torch refuses)."""
+        if not max_norm:
+            return list(torch._foreach_norm(grads))
+        nonempty = [g for g in grads if g.numel()]
+        norms = iter(torch._foreach_norm(nonempty, math.inf) if nonempty else ())
+        return [next(norms) if g.numel() else g.new_zeros(()) for g in grads]
 
 
 class FusedAdagrad(_ForeachOptimizer):
