@@ -77,7 +77,7 @@ class _ForeachOptimizer(torch.optim.Optimizer):
             grad = param.grad
             if grad is None:
                 continue
-            if grad.is_sparse:
+            if grad.layout != torch.strided:  # sparse COO, CSR, ...
                 raise RuntimeError(f"{name} does not support sparse gradients; use torch.optim.SparseAdam "
                                    "(or a dense embedding) for this parameter")
             if param.dtype not in _SUPPORTED_DTYPES:
