@@ -21,12 +21,13 @@ tensors, and the loss-scale update is ``torch.where`` on the device.
 
 **Differences from apex**
 
-- ``multi_tensor_scale`` and ``multi_tensor_axpby`` check the *scaled* contributions
-  (``in * scale``, ``a * x``, ``b * y``, in float32) for inf/NaN where apex checked the inputs.
-  A non-finite input always makes a non-finite product (``inf * 0`` is NaN), so every case apex
-  flags is flagged; in addition a finite input whose product overflows float32 is flagged
-  (apex wrote the inf without flagging it).  When ``out`` is ``y`` (or ``x``), the operand that
-  is overwritten is checked as it is, like apex.
+- ``multi_tensor_scale`` and ``multi_tensor_axpby`` check for inf/NaN as ``ampinit.ops`` does.
+  Its compiled kernels check the *scaled* contributions (``in * scale``, ``a * x``, ``b * y``,
+  in float32) where apex checked the inputs: a non-finite input always makes a non-finite
+  product (``inf * 0`` is NaN), so every case apex flags is flagged, and in addition a finite
+  input whose product overflows float32 (apex wrote that inf without flagging it).  The torch
+  fallback checks the input after its cast to the output dtype.  When ``out`` is ``y`` (or
+  ``x``), the operand that is overwritten is checked as it is, like apex.
 - ``multi_tensor_unscale_l2norm`` computes ``|inv_scale| * ||x||`` (and the same per tensor)
   rather than summing the squares of ``x * inv_scale``: equal for the power-of-two scales amp
   uses, up to rounding otherwise, and different only where ``x * inv_scale`` would under- or
