@@ -573,6 +573,8 @@ def test_multi_tensor_applier_validation():
         (TypeError, "not a tensor", lambda: multi_tensor_applier(scale, flag, [[x], [3.0]], 1.0)),
         (TypeError, "noop_flag must be a tensor", lambda: multi_tensor_applier(scale, 0, [[x], [x]], 1.0)),
         (ValueError, "arg_to_check", lambda: amp_C.multi_tensor_axpby(CHUNK, flag, [[x], [x], [x]], 1., 1., 2)),
+        (TypeError, "floating-point", lambda: amp_C.multi_tensor_l2norm(CHUNK, flag, [[x.long()]])),
+        (TypeError, "only dense", lambda: amp_C.multi_tensor_scale(CHUNK, flag, [[x.to_sparse()], [x]], 1.0)),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message):

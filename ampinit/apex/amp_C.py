@@ -89,7 +89,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     """``out[i] = in[i] * scale`` (computed in float32, cast to ``out[i]``'s dtype) for
     ``tensor_lists = [inputs, outputs]``; ``out[i]`` may be ``in[i]``.  Sets ``noop_flag`` to 1
     if a scaled value is inf/NaN; the outputs are written either way."""
-    device = check_tensor_lists(noop_flag, tensor_lists, 2, "amp_C.multi_tensor_scale")
+    device = check_tensor_lists(noop_flag, tensor_lists, 2, "amp_C.multi_tensor_scale", floating=True)
     inputs, outputs = tensor_lists
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     ops.unscale_(list(inputs), list(outputs), _scalar_tensor(scale, device), found_inf)
@@ -102,7 +102,7 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     """``out[i] = a * x[i] + b * y[i]`` (computed in float32, cast to ``out[i]``'s dtype) for
     ``tensor_lists = [x, y, out]``; ``out[i]`` may be ``x[i]`` or ``y[i]``.  Sets ``noop_flag``
     to 1 if ``x`` (``arg_to_check=0``), ``y`` (1) or either (-1) contributes inf/NaN."""
-    device = check_tensor_lists(noop_flag, tensor_lists, 3, "amp_C.multi_tensor_axpby")
+    device = check_tensor_lists(noop_flag, tensor_lists, 3, "amp_C.multi_tensor_axpby", floating=True)
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f"amp_C.multi_tensor_axpby: arg_to_check must be -1, 0 or 1, got {arg_to_check!r}")
     xs, ys, outs = tensor_lists
@@ -167,7 +167,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: 
     tensors as a 1-element float32 tensor, and each tensor's norm (float32, one per tensor) if
     ``per_tensor`` else an empty float32 tensor, both on the tensors' device.  Sets
     ``noop_flag`` to 1 if the total is inf/NaN."""
-    check_tensor_lists(noop_flag, tensor_lists, 1, "amp_C.multi_tensor_l2norm")
+    check_tensor_lists(noop_flag, tensor_lists, 1, "amp_C.multi_tensor_l2norm", floating=True)
     total, norms = ops.l2norm(list(tensor_lists[0]), _per_tensor_flag(per_tensor))
     noop_flag.masked_fill_(torch.logical_not(torch.isfinite(total)).reshape(()), 1)
     return total, norms
@@ -179,7 +179,7 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
                                 per_tensor: Optional[bool] = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`multi_tensor_l2norm`, for the norms of ``x * inv_scale`` (total and per
     tensor); the tensors are not modified.  ``inv_scale`` is a 1-element float32 tensor."""
-    device = check_tensor_lists(noop_flag, tensor_lists, 1, "amp_C.multi_tensor_unscale_l2norm")
+    device = check_tensor_lists(noop_flag, tensor_lists, 1, "amp_C.multi_tensor_unscale_l2norm", floating=True)
     factor = _scalar_tensor(inv_scale, device).abs()
     total, norms = ops.l2norm(list(tensor_lists[0]), _per_tensor_flag(per_tensor))
     total = total * factor

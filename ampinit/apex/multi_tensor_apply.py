@@ -32,10 +32,11 @@ __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
 
 def check_tensor_lists(noop_flag: Any, tensor_lists: Any, depth: Optional[int] = None,
-                       where: str = "multi_tensor_applier") -> torch.device:
+                       where: str = "multi_tensor_applier", floating: bool = False) -> torch.device:
     """Validate ``noop_flag`` and ``tensor_lists`` as apex's launcher did; return the device.
 
-    ``depth``, when given, is the number of lists the op takes.  Only metadata is read.
+    ``depth``, when given, is the number of lists the op takes; ``floating`` requires
+    floating-point tensors.  Only metadata is read.
     """
     if not isinstance(noop_flag, torch.Tensor):
         raise TypeError(f"{where}: noop_flag must be a tensor (apex used a 1-element int32 tensor), "
@@ -76,6 +77,9 @@ def check_tensor_lists(noop_flag: Any, tensor_lists: Any, depth: Optional[int] =
             if tensor.layout != torch.strided:
                 raise TypeError(f"{where}: tensor_lists[{index}][{row}] has layout {tensor.layout}; only dense "
                                 "tensors are supported")
+            if floating and not tensor.is_floating_point():
+                raise TypeError(f"{where}: tensor_lists[{index}][{row}] is {tensor.dtype}; the op takes "
+                                "floating-point tensors (float32, float16, bfloat16)")
             if numel is None:
                 numel = tensor.numel()
             elif tensor.numel() != numel:
