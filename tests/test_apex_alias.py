@@ -28,7 +28,8 @@ def alias():
 
 
 def run(args, cwd=ROOT, env=None, timeout=300):
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    full_env.update(env or {})
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -192,7 +193,8 @@ def test_run_an_apex_script_unchanged(tmp_path, opt_level):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["name"] == "__main__" and report["argv"] == [str(script), opt_level]
-    assert report["skipped"] == 1 and report["last"] < report["first"] / 4
+    # the planted overflow, and natural ones at a scale of 2**16
+    assert report["skipped"] >= 1 and report["last"] < report["first"] / 4
 
 
 def test_run_exit_codes_module_mode_and_errors(tmp_path):
