@@ -9,7 +9,8 @@ apex when it is imported, so ``python -m ampinit.run`` installs the alias first.
 newest release whose amp path runs: 0.18.3-0.19.7 fail on every backward with amp enabled (a
 DeepSpeed bug, apex or not) and 0.19.8 removed the section.  One process over gloo; the CPU
 shared-memory all-reduce op DeepSpeed would compile on first use (minutes) is not needed for one
-process and is skipped.  Prints one JSON line.
+process and is skipped.  On the CPU, DeepSpeed's gradient all-reduce takes only FP32 gradients,
+so O2/O3 (fp16 models) need a GPU there; O1 runs anywhere.  Prints one JSON line.
 """
 
 import argparse

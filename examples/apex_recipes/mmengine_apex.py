@@ -42,13 +42,14 @@ def main():
         wrapper.update_params(loss)
         losses.append(loss.item())
     state = wrapper.state_dict()
-    wrapper.load_state_dict(state)
+    saved_scale = state["apex_amp"]["loss_scaler0"]["loss_scale"]
+    wrapper.load_state_dict(state)  # mmengine pops "apex_amp" and hands it to amp.load_state_dict
 
     from apex import amp  # the alias: ampinit
     handle = amp.handle_of(model)
     print(json.dumps({"opt_level": handle.config.opt_level, "skipped_steps": handle.skipped_steps,
-                      "first_loss": losses[0], "last_loss": losses[-1], "amp_state_saved": "apex_amp" in state,
-                      "scale_kept": state["apex_amp"]["loss_scaler0"]["loss_scale"] == handle.loss_scale()}))
+                      "first_loss": losses[0], "last_loss": losses[-1], "amp_state_saved": True,
+                      "scale_kept": saved_scale == handle.loss_scale()}))
 
 
 if __name__ == "__main__":
