@@ -56,11 +56,39 @@ def backend(device: Optional[torch.device] = None) -> Tuple[str, str]:
     return "cuda", "compiled extension, CUDA kernels"
 
 
+_KERNEL_DTYPES_ONLY, _SOME_COMPLEX = 1, 2
+
+
+def _kinds(*lists: Tensors) -> int:
+    """``_KERNEL_DTYPES_ONLY`` if every tensor is a dense float32/float16/bfloat16 one, ``|
+    _SOME_COMPLEX`` if any is complex: one C pass with the extension (a Python loop over 1000
+    gradients costs more than the kernels it routes), a Python one without."""
+    module = _ext.EXTENSION
+    if module is not None:
+        return module.tensor_kinds(*lists)
+    kinds = _KERNEL_DTYPES_ONLY
+    for tensors in lists:
+        for t in tensors:
+            if t.dtype not in _KERNEL_DTYPES or t.layout != torch.strided:
+                kinds &= ~_KERNEL_DTYPES_ONLY
+            if t.is_complex():
+                kinds |= _SOME_COMPLEX
+    return kinds
+
+
 def _use_kernels(device: torch.device, *lists: Tensors) -> bool:
     """Whether the compiled kernels take these tensors (else the fallback runs)."""
-    if not _built_for(device.type):
-        return False
-    return all(t.dtype in _KERNEL_DTYPES and t.layout == torch.strided for tensors in lists for t in tensors)
+    return _built_for(device.type) and bool(_kinds(*lists) & _KERNEL_DTYPES_ONLY)
+
+
+def _route_pairs(op: str, device: torch.device, inputs: Tensors, outputs: Tensors):
+    """``(use_kernels, inputs, outputs)``: complex pairs as their real views, then whether the
+    kernels take every tensor."""
+    kinds = _kinds(inputs, outputs)
+    if kinds & _SOME_COMPLEX:
+        inputs, outputs = _as_real_pairs(op, inputs, outputs)
+        kinds = _kinds(inputs, outputs)
+    return _built_for(device.type) and bool(kinds & _KERNEL_DTYPES_ONLY), inputs, outputs
 
 
 def _check_flags_device(op: str, tensors: Tensors, *flags: Optional[torch.Tensor]) -> None:
@@ -90,8 +118,6 @@ def _real_view(tensor: torch.Tensor, op: str, written: bool) -> torch.Tensor:
 def _as_real_pairs(op: str, inputs: Tensors, outputs: Tensors) -> Tuple[Tensors, Tensors]:
     """``(inputs, outputs)`` with each complex pair replaced by its real views; a pair stays one
     tensor where it was one (in place)."""
-    if not any(t.is_complex() for t in inputs) and not any(t.is_complex() for t in outputs):
-        return inputs, outputs
     if len(inputs) != len(outputs):
         raise ValueError(f"ampinit.ops.{op}: inputs and outputs must have the same length; got "
                          f"{len(inputs)} and {len(outputs)}")
@@ -113,10 +139,13 @@ def _as_real_pairs(op: str, inputs: Tensors, outputs: Tensors) -> Tuple[Tensors,
     return real_in, real_out
 
 
-def _as_real(op: str, tensors: Tensors) -> Tensors:
-    if not any(t.is_complex() for t in tensors):
-        return tensors
-    return [_real_view(t, op, written=False) if t.is_complex() else t for t in tensors]
+def _route(op: str, device: torch.device, tensors: Tensors):
+    """``(use_kernels, tensors)`` for a read-only list: complex tensors as their real views."""
+    kinds = _kinds(tensors)
+    if kinds & _SOME_COMPLEX:
+        tensors = [_real_view(t, op, written=False) if t.is_complex() else t for t in tensors]
+        kinds = _kinds(tensors)
+    return _built_for(device.type) and bool(kinds & _KERNEL_DTYPES_ONLY), tensors
 
 
 # -- ops -------------------------------------------------------------------------------------------
@@ -128,8 +157,8 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
     ``per_tensor_found_inf[i]`` for the tensors that held one, when given).  ``outputs[i]`` may
     be ``inputs[i]``.  No sync."""
     _check_flags_device("unscale_", inputs, inv_scale, found_inf, per_tensor_found_inf)
-    inputs, outputs = _as_real_pairs("unscale_", inputs, outputs)
-    if _use_kernels(found_inf.device, inputs, outputs):
+    kernels, inputs, outputs = _route_pairs("unscale_", found_inf.device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
     else:
         _fallback.unscale_(inputs, outputs, inv_scale, found_inf, per_tensor_found_inf)
@@ -142,8 +171,8 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
     one).  Used when a second loss (or a second backward before ``step``) adds to gradients that
     are already unscaled.  No sync."""
     _check_flags_device("accumulate_unscaled_", inputs, inv_scale, found_inf)
-    inputs, outputs = _as_real_pairs("accumulate_unscaled_", inputs, outputs)
-    if _use_kernels(found_inf.device, inputs, outputs):
+    kernels, inputs, outputs = _route_pairs("accumulate_unscaled_", found_inf.device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
     else:
         _fallback.accumulate_unscaled_(inputs, outputs, inv_scale, found_inf, out_weight)
@@ -153,8 +182,8 @@ def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
                   per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
     """Set ``found_inf`` if any input holds inf/NaN; read-only on the inputs.  No sync."""
     _check_flags_device("check_finite_", inputs, found_inf, per_tensor_found_inf)
-    inputs = _as_real("check_finite_", inputs)
-    if _use_kernels(found_inf.device, inputs):
+    kernels, inputs = _route("check_finite_", found_inf.device, inputs)
+    if kernels:
         torch.ops.ampinit.check_finite_(list(inputs), found_inf, per_tensor_found_inf)
     else:
         _fallback.check_finite_(inputs, found_inf, per_tensor_found_inf)
@@ -168,8 +197,10 @@ def unscale_sparse(grad: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch
 
 def copy_(outputs: Tensors, inputs: Tensors) -> None:
     """``outputs[i].copy_(inputs[i])`` with round-to-nearest-even conversion (masters -> model)."""
-    inputs, outputs = _as_real_pairs("copy_", inputs, outputs)
-    if inputs and _use_kernels(inputs[0].device, inputs, outputs):
+    if not inputs:
+        return
+    kernels, inputs, outputs = _route_pairs("copy_", inputs[0].device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.copy_(list(outputs), list(inputs))
     else:
         _fallback.copy_(outputs, inputs)
@@ -217,10 +248,10 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     written in the same pass.  ``steps`` are 1-element float32 counters on the device.
 
     When ``found_inf`` is set nothing changes, steps included: the compiled kernels decide that
-    on the device (no sync); the fallback reads the flag (one sync) unless ``hyper`` is given.
+    on the device, and the fallback with ``torch.where``, so no path syncs.
     ``hyper`` (capturable optimizers): a float64 tensor ``[lr, beta1, beta2, eps, weight_decay]``
     on the params' device, read instead of the float arguments, so that a CUDA-graph replay
-    sees values changed in place; with it, no path syncs.
+    sees values changed in place.
     """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),

@@ -28,8 +28,7 @@ inline void check_same_length(const char* op, const char* name_a, size_t a, cons
 
 // Every tensor of one row (the i-th entries of each list): same device and numel, a float dtype
 // the kernels handle.
-inline void check_row(const char* op, size_t index, const std::vector<at::Tensor>& row,
-                      const at::Device& device) {
+inline void check_row(const char* op, size_t index, at::TensorList row, const at::Device& device) {
   for (const auto& tensor : row) {
     TORCH_CHECK(tensor.defined(), "ampinit.", op, ": tensor ", index, " is undefined");
     TORCH_CHECK(tensor.device() == device, "ampinit.", op, ": tensor ", index, " is on ", tensor.device(),

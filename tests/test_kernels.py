@@ -295,3 +295,16 @@ def test_fused_sgd_kernel_equals_fallback_and_new_buffer_rule(param_dtypes, nest
         grad = r0["grad"].float() / 64 + 1e-2 * r0["param"].float()
         if i in (0, 3):  # torch's rule: the new buffer is the gradient
             _assert_close_16bit(rk["a"], grad.to(rk["a"].dtype))
+
+
+def test_tensor_kinds_routes_in_one_pass():
+    """The facade's one C pass over the tensors: what the kernels take, and where complex is."""
+    kinds = _ext.EXTENSION.tensor_kinds
+    dense = [torch.zeros(2), torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16).t()]
+    assert kinds(dense, (torch.zeros(3),)) == 1
+    assert kinds([], []) == 1
+    assert kinds(dense, [torch.zeros(2, dtype=torch.float64)]) == 0
+    assert kinds(dense, [torch.zeros(2, dtype=torch.complex64)]) == 2
+    assert kinds([torch.zeros(2).to_sparse()]) == 0
+    with pytest.raises(TypeError, match="expected tensors"):
+        kinds([torch.zeros(2), 3.0])
