@@ -134,7 +134,16 @@ def test_under_initialize_matches_the_plain_optimizer(opt_level, fused, plain, a
     m2, o2, l2 = _train(opt_level, plain, 12, device, poison_at=(3,), accumulate=accumulate)
     assert o1.amp.skipped_steps == o2.amp.skipped_steps == 1
     assert o1.amp.last_overflow_step == 3
-    for (name, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+    # The FP32 masters agree closely: both optimizers compute in float32, in a different order.
+    for a, b in zip(amp.master_params(o1), amp.master_params(o2)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # The 16-bit model copies are those masters rounded: one flip of a rounding decision moves
+    # a value by a whole ulp of its dtype, so allow one (not a relative 1e-4).
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}.get(a.dtype, 1e-4)
+        torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=1e-5, msg=name)
+    for (name, a), b in zip(m1.named_buffers(), m2.buffers()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     masters = {id(m) for g in o1.param_groups for m in g["params"]}
     for param in m1.parameters():  # the model holds its master's rounding, written by the kernel
@@ -458,9 +467,8 @@ def test_fused_checkpoint_continues_exactly_in_torch(case, device):
     for key in ("lr", "weight_decay", "momentum", "dampening", "nesterov", "betas", "eps"):
         if key in group and key in fused_opt.param_groups[0]:
             fused_opt.param_groups[0][key] = group[key]
-    if isinstance(fused_opt, FusedAdam) and isinstance(reference, torch.optim.Adam):
-        if reference.param_groups[0]["decoupled_weight_decay"] != fused_opt.adam_w_mode:
-            pytest.skip("the fused optimizer's mode is fixed at construction")
+    if isinstance(fused_opt, FusedAdam):  # the mode is fixed at construction: the cases agree
+        assert reference.param_groups[0]["decoupled_weight_decay"] == fused_opt.adam_w_mode
     _run(fused_opt, fused_params, 5, 0, device)
     saved = copy.deepcopy(fused_opt.state_dict())
     for param_state in saved["state"].values():

@@ -381,3 +381,15 @@ def test_complex_parameters_train_and_skip_overflows(loss_scale, device):
     assert amp_model.w.dtype == torch.complex64
     for a, b in zip(amp_model.parameters(), plain_model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float32, 1e20), (torch.float32, 3e38), (torch.float32, 1e-25),
+                                          (torch.bfloat16, 1e30), (torch.float16, 6e4)])
+def test_l2norm_squares_in_double(dtype, value, device):
+    """|x| > ~1.8e19 overflows a float square and |x| < ~1e-23 underflows it: the norms must
+    still be the float64 reference rounded to float32 (inf only where that is)."""
+    x = torch.full((1000,), value).to(dtype).to(device)
+    total, per = ops.l2norm([x, x[:10]], per_tensor=True)
+    reference = torch.stack([x.double().norm(), x[:10].double().norm()])
+    torch.testing.assert_close(per.cpu(), reference.float().cpu(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.cpu(), reference.norm().float().reshape(1).cpu(), rtol=1e-6, atol=0)
