@@ -125,7 +125,10 @@ def get_extensions():
         extension = cpp_extension.CUDAExtension
     else:
         extension = cpp_extension.CppExtension
-    ext = extension("ampinit._C", sources, define_macros=macros, include_dirs=include_dirs,
+    # The headers, so that editing one rebuilds (build_ext compares only these with the library).
+    headers = sorted(os.path.relpath(path, ROOT) for pattern in ("*.h", "*/*.h", "*/*.cuh")
+                     for path in glob.glob(os.path.join(ROOT, "csrc", pattern)))
+    ext = extension("ampinit._C", sources, depends=headers, define_macros=macros, include_dirs=include_dirs,
                     extra_compile_args=compile_args, extra_link_args=["-fopenmp"])
 
     class BuildExt(cpp_extension.BuildExtension):

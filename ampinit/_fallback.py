@@ -116,28 +116,25 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
 def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
                          found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
     """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale``, computed in float32 and
-    rounded once, flagging the outputs that hold inf/NaN.
+    rounded once, flagging what this call brings: a non-finite contribution, or a finite output
+    value that the sum pushes past its dtype.
 
     Used when a second loss (or a second backward before ``step``) adds to gradients that
-    are already unscaled: each contribution is unscaled with its own loss scale.
+    are already unscaled: each contribution is unscaled with its own loss scale, and an inf/NaN
+    an earlier loss left in the outputs (flagged for that loss) is not flagged again.
     """
     if not inputs:
         return
-    contributions = [x.to(_compute_dtype(x.dtype, y.dtype), copy=True) for x, y in zip(inputs, outputs)]
-    _foreach_by_dtype(lambda group: torch._foreach_mul_(group, inv_scale.reshape(())), contributions)
-    same = [(y, c) for y, c in zip(outputs, contributions) if y.dtype == c.dtype]
-
-    def add(targets: List[torch.Tensor], values: List[torch.Tensor]) -> None:
-        if out_weight != 1.0:
-            torch._foreach_mul_(targets, out_weight)
-        torch._foreach_add_(targets, values)
-
-    if same:
-        _foreach_by_dtype(add, *zip(*same))
-    for y, c in zip(outputs, contributions):
-        if y.dtype != c.dtype:  # a 16-bit output: the sum in float32, rounded once
-            y.copy_(y.to(c.dtype).mul_(out_weight).add_(c))
-    _record(outputs, found_inf, None)
+    flags = []
+    for x, y in zip(inputs, outputs):
+        compute = _compute_dtype(x.dtype, y.dtype)
+        contribution = x.to(compute) * inv_scale
+        previous = y.to(compute, copy=True)
+        y.copy_(previous * out_weight + contribution)
+        overflowed = torch.logical_and(torch.logical_not(torch.isfinite(y)), torch.isfinite(previous)).any()
+        flags.append(torch.logical_or(torch.logical_not(torch.isfinite(contribution).all()), overflowed))
+    bad = torch.stack(flags).any().to(found_inf.device)
+    found_inf.copy_(torch.maximum(found_inf, bad.float().reshape(1)))
 
 
 def check_finite_(inputs: Tensors, found_inf: torch.Tensor,

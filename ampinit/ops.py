@@ -5,7 +5,8 @@ Every op follows one contract, shared by the compiled kernels (``torch.ops.ampin
 1-element float32 tensors on the tensors' device; the kernels read them from device memory, so
 no op synchronises with the device.  The caller zeroes ``found_inf``; an op only ever sets it
 to 1.0, when a value it *writes* is inf/NaN (a finite value that overflows a narrower output
-dtype counts).  Outputs may be the inputs (in place).
+dtype counts; ``accumulate_unscaled_`` flags only what its own contribution brings).  Outputs
+may be the inputs (in place).
 
 Each call takes the compiled kernels when the extension is loaded, was built for the tensors'
 device type and handles their dtypes (float32, float16, bfloat16, dense); anything else runs
@@ -167,9 +168,10 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
 def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
                          found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
     """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale`` in float32, rounded once,
-    setting ``found_inf`` if a value written is inf/NaN (a non-finite contribution always makes
-    one).  Used when a second loss (or a second backward before ``step``) adds to gradients that
-    are already unscaled.  No sync."""
+    setting ``found_inf`` for what this call brings: a non-finite contribution, or a finite
+    output value that the sum pushes past its dtype (an inf/NaN an earlier loss left in the
+    outputs was flagged for that loss, and is not again).  Used when a second loss (or a second
+    backward before ``step``) adds to gradients that are already unscaled.  No sync."""
     _check_flags_device("accumulate_unscaled_", inputs, inv_scale, found_inf)
     kernels, inputs, outputs = _route_pairs("accumulate_unscaled_", found_inf.device, inputs, outputs)
     if kernels:

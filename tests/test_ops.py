@@ -242,12 +242,24 @@ def test_unscale_into_a_narrower_dtype_flags_values_that_overflow_it(out_dtype, 
     assert found_inf.item() == 0.0 and outputs[2][0].item() == (torch.tensor(1e5) / 256).to(out_dtype).item()
 
 
-def test_accumulate_flags_a_sum_that_overflows_the_output(device):
-    outputs = [torch.tensor([60000.0, 1.0], dtype=torch.float16, device=device)]
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_accumulate_flags_what_its_contribution_brings(out_dtype, device):
+    """A finite value pushed past the output dtype is flagged; an inf/NaN an earlier loss left
+    in the output is not flagged again (that loss's scaler backed off for it, not this one's)."""
+    big = 60000.0 if out_dtype == torch.float16 else 3e38
+    one = torch.ones(1, device=device)
+    outputs = [torch.tensor([big, 1.0], dtype=out_dtype, device=device)]
     found_inf = torch.zeros(1, device=device)
-    ops.accumulate_unscaled_([torch.tensor([10000.0, 1.0], device=device)], outputs,
-                             torch.ones(1, device=device), found_inf)
+    ops.accumulate_unscaled_([torch.tensor([big, 1.0], device=device)], outputs, one, found_inf)
     assert found_inf.item() == 1.0 and outputs[0][0].item() == float("inf")
+
+    found_inf.zero_()
+    left_over = [torch.tensor([float("nan"), float("inf"), 1.0], dtype=out_dtype, device=device)]
+    ops.accumulate_unscaled_([torch.tensor([1.0, 2.0, 3.0], device=device)], left_over, one, found_inf)
+    assert found_inf.item() == 0.0 and left_over[0][2].item() == 4.0
+
+    ops.accumulate_unscaled_([torch.tensor([1.0, 2.0, float("-inf")], device=device)], left_over, one, found_inf)
+    assert found_inf.item() == 1.0
 
 
 def test_unscale_with_inv_scale_above_one_flags_the_product(device):

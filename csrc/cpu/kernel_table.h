@@ -37,7 +37,8 @@ struct KernelTable {
   // that overflows y's dtype included).
   bool (*unscale)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
                   float inv_scale);
-  // y = out_weight * y + x * inv_scale.  Returns true if a value written to y is inf/NaN.
+  // y = out_weight * y + x * inv_scale.  Returns true if x * inv_scale is inf/NaN somewhere, or
+  // a finite y becomes inf/NaN (the sum overflows y's dtype).
   bool (*accumulate)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
                      float inv_scale, float out_weight);
   // y = x, converted with round-to-nearest-even.

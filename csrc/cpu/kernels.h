@@ -118,23 +118,30 @@ bool unscale(const In* x, Out* y, int64_t n, float inv_scale) {
   return any_nonfinite<Out>(lo_max, hi_max);
 }
 
-// The check is on the value written: a non-finite contribution makes it non-finite, and so
-// does a sum that overflows y's dtype.
+// The check is on what this call brings: a non-finite contribution, or a finite value that the
+// sum pushes past y's dtype.  A value that was already inf/NaN in y is not flagged again (it was
+// when it was written): with one loss scaler per loss, the loss that overflowed backs off, not
+// the next one to add to the same gradients.
 template <typename In, typename Out>
 bool accumulate(const In* x, Out* y, int64_t n, float inv_scale, float out_weight) {
-  const FloatVec inv(inv_scale), weight(out_weight);
-  FloatVec lo_max(0.0f), hi_max(0.0f);
+  const FloatVec inv(inv_scale), weight(out_weight), zero(0.0f);
+  const FloatVec inf(std::numeric_limits<float>::infinity());
+  FloatVec contribution_max[2] = {zero, zero}, overflow_max[2] = {zero, zero};
   for_each_step(n, [&](int64_t i, int64_t count) {
-    FloatVec x_lo, x_hi, y_lo, y_hi;
-    load_n(x + i, count, x_lo, x_hi);
-    load_n(y + i, count, y_lo, y_hi);
-    y_lo = y_lo * weight + x_lo * inv;
-    y_hi = y_hi * weight + x_hi * inv;
-    lo_max = running_max_abs(lo_max, y_lo);
-    hi_max = running_max_abs(hi_max, y_hi);
-    store_n(y + i, count, y_lo, y_hi);
+    FloatVec c[2], acc[2];
+    load_n(x + i, count, c[0], c[1]);
+    load_n(y + i, count, acc[0], acc[1]);
+    for (int h = 0; h < 2; ++h) {
+      c[h] = c[h] * inv;
+      const FloatVec was_finite = acc[h].abs() < inf;
+      acc[h] = acc[h] * weight + c[h];
+      contribution_max[h] = running_max_abs(contribution_max[h], c[h]);
+      overflow_max[h] = at::vec::maximum(overflow_max[h], FloatVec::blendv(zero, acc[h].abs(), was_finite));
+    }
+    store_n(y + i, count, acc[0], acc[1]);
   });
-  return any_nonfinite<Out>(lo_max, hi_max);
+  return any_nonfinite<float>(contribution_max[0], contribution_max[1]) ||
+         any_nonfinite<Out>(overflow_max[0], overflow_max[1]);
 }
 
 template <typename In, typename Out>

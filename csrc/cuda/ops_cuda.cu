@@ -73,7 +73,8 @@ struct UnscaleFunctor {
   }
 };
 
-// y = out_weight * y + x * inv_scale, flagging what is written.
+// y = out_weight * y + x * inv_scale, flagging what this call brings: a non-finite contribution,
+// or a finite y that the sum pushes past Out (an inf/NaN already in y was flagged when written).
 template <typename In, typename Out>
 struct AccumulateFunctor {
   const float* inv_scale;
@@ -100,8 +101,10 @@ struct AccumulateFunctor {
 #pragma unroll
           for (int k = 0; k < kILP; ++k) {
             if (k < count) {
-              acc[u][k] = acc[u][k] * out_weight + v[u][k] * inv;
-              bad |= stores_nonfinite<Out>(acc[u][k]);
+              const float contribution = v[u][k] * inv;
+              const bool was_finite = isfinite(acc[u][k]);
+              acc[u][k] = acc[u][k] * out_weight + contribution;
+              bad |= !isfinite(contribution) || (was_finite && stores_nonfinite<Out>(acc[u][k]));
             }
           }
           store(y, i, acc[u], count);
