@@ -97,13 +97,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One update from each param's ``.grad``.  No host sync (after the first step, which
-        creates the state)."""
+        """One update from each param's ``.grad``.  No host sync with the compiled kernels.
+
+        Under ``ampinit.initialize`` the step's scaled gradients, overflow flag and model
+        parameters come from ampinit (``_ampinit_step_inputs``, set for this one call)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._amp_update()
+        self._amp_update(**self.__dict__.pop("_ampinit_step_inputs", {}))
         return loss
 
     @torch.no_grad()
