@@ -9,6 +9,8 @@ Switches (environment variables):
   AMPINIT_BUILD_CUDA=auto|0|1  the CUDA kernels in the same extension.  ``auto`` builds them
                                when torch has CUDA and ``$CUDA_HOME/bin/nvcc`` exists; ``1``
                                requires them.  ``TORCH_CUDA_ARCH_LIST`` picks the GPU archs.
+  AMPINIT_BUILD_JOBS=N         source files compiled at once (default: the CPU count; forked
+                               workers, Linux only; 1 compiles one after another).
 
 torch must be importable while building, so install with
 ``pip install --no-build-isolation -e .``; an isolated build has no torch and installs the
@@ -17,6 +19,7 @@ pure-Python package.  Whatever was built, ``ampinit.ops.backend()`` says what ru
 
 import glob
 import importlib.util
+import multiprocessing
 import os
 import platform
 import sys
@@ -54,6 +57,42 @@ def _pip_cuda_includes():
     return sorted(d for root in roots for d in glob.glob(os.path.join(root, "*", "include")))
 
 
+# The compile jobs of one compile() call, for the forked workers of _compile_in_parallel.
+_JOBS = []
+
+
+def _run_job(index):
+    compile_one, args = _JOBS[index]
+    compile_one(*args)
+
+
+def _compile_in_parallel(compiler, compile_one):
+    """``compiler.compile`` running ``compile_one`` for each source in forked workers.
+
+    Not threads: torch's compile wrapper swaps the compiler executable (g++/nvcc) in place
+    around each call, which forked processes each do on their own copy.  No ninja either: the
+    AVX2 file needs flags of its own, which torch's ninja path cannot give one file.
+    """
+    jobs = int(os.environ.get("AMPINIT_BUILD_JOBS", "0") or 0) or os.cpu_count() or 1
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        _JOBS[:] = [(compile_one, (obj, build[obj][0], build[obj][1], cc_args, extra_postargs, pp_opts))
+                    for obj in objects if obj in build]
+        if jobs > 1 and len(_JOBS) > 1 and sys.platform.startswith("linux"):
+            with multiprocessing.get_context("fork").Pool(min(jobs, len(_JOBS))) as pool:
+                pool.map(_run_job, range(len(_JOBS)), chunksize=1)
+        else:
+            for index in range(len(_JOBS)):
+                _run_job(index)
+        return objects
+
+    return compile
+
+
 def get_extensions():
     mode = _switch("AMPINIT_BUILD_EXT")
     if mode == "0":
@@ -79,17 +118,22 @@ def get_extensions():
     # the pragma is ignored and every CPU kernel runs on one thread.
     compile_args = {"cxx": ["-O3", "-fopenmp", "-Wno-unknown-pragmas"], "nvcc": ["-O3", "-lineinfo"]}
     if _want_cuda(cpp_extension):
-        sources.append("csrc/cuda/ops_cuda.cu")
+        cuda_sources = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))
+        sources += sorted(os.path.relpath(path, ROOT) for path in cuda_sources)
         macros.append(("AMPINIT_WITH_CUDA", None))
         include_dirs = _pip_cuda_includes()
         extension = cpp_extension.CUDAExtension
     else:
         extension = cpp_extension.CppExtension
-    ext = extension("ampinit._C", sources, define_macros=macros, include_dirs=include_dirs,
+    # The headers, so that editing one rebuilds (build_ext compares only these with the library).
+    headers = sorted(os.path.relpath(path, ROOT) for pattern in ("*.h", "*/*.h", "*/*.cuh")
+                     for path in glob.glob(os.path.join(ROOT, "csrc", pattern)))
+    ext = extension("ampinit._C", sources, depends=headers, define_macros=macros, include_dirs=include_dirs,
                     extra_compile_args=compile_args, extra_link_args=["-fopenmp"])
 
     class BuildExt(cpp_extension.BuildExtension):
-        """Per-file flags for *_avx2.cpp (hence no ninja), and ``auto``'s soft failure."""
+        """Per-file flags for *_avx2.cpp (hence no ninja), sources compiled in parallel, and
+        ``auto``'s soft failure."""
 
         def build_extension(self, extension_):
             compile_one = self.compiler._compile
@@ -103,6 +147,8 @@ def get_extensions():
                 compile_one(obj, src, ext_, cc_args, extra_postargs, pp_opts)
 
             self.compiler._compile = compile_with_file_flags
+            serial_compile = self.compiler.compile
+            self.compiler.compile = _compile_in_parallel(self.compiler, compile_with_file_flags)
             try:
                 super().build_extension(extension_)
             except Exception as error:  # noqa: BLE001 - auto mode installs pure Python instead
@@ -112,6 +158,7 @@ def get_extensions():
                           "pure-PyTorch fallback.  Set AMPINIT_BUILD_EXT=1 to see this as an error.")
             finally:
                 self.compiler._compile = compile_one
+                self.compiler.compile = serial_compile
 
     return [ext], {"build_ext": BuildExt.with_options(use_ninja=False)}
 

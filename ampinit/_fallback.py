@@ -2,16 +2,16 @@
 
 They honour exactly the contract of the compiled kernels (see ``ops``): ``inv_scale`` and
 ``found_inf`` are 1-element float32 tensors on the gradients' device, read and written with
-tensor ops only, so nothing here synchronises the host with the device (the fused optimizers
-are the exception: they read found_inf and the step counts on the host).  ``found_inf`` is
-OR-ed into (set to 1.0 on a non-finite value, never cleared): the caller zeroes it.
+tensor ops only, so nothing here synchronises the host with the device.  ``found_inf`` is
+OR-ed into (set to 1.0 when a value written is inf/NaN, never cleared): the caller zeroes it.
+Arithmetic is float32 (float64 where a float64 tensor takes part: complex128's real views),
+rounded once into each output.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -38,73 +38,114 @@ def _check_sparse_and_unscale(grad: torch.Tensor, inv_scale: torch.Tensor,
     return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, is_coalesced=True)
 
 
-def _check_and_unscale_dense_(tensors: List[torch.Tensor], inv_scale: torch.Tensor,
-                              found_inf: torch.Tensor) -> None:
-    for tensors_of_dtype, in _group_by_dtype(tensors).values():
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors_of_dtype, found_inf, inv_scale)
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _record_per_tensor(tensors: Tensors, per_tensor_found_inf: Optional[torch.Tensor]) -> None:
-    """Set ``per_tensor_found_inf[i]`` for each tensor holding inf/NaN (an extra pass; the
-    fallback spends it only when diagnostics ask for it)."""
-    if per_tensor_found_inf is None or not tensors:
+def _exact_cast(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether ``target`` holds every ``source`` value exactly (so casting first rounds nothing)."""
+    return source == target or target == torch.float64 or \
+        (target == torch.float32 and source in (torch.float16, torch.bfloat16))
+
+
+def _nonfinite(tensors: Tensors) -> torch.Tensor:
+    """One bool per tensor: whether it holds inf/NaN.  The max-norm propagates NaN, so one
+    multi-tensor pass per dtype finds both."""
+    flags: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    by_dtype: Dict[torch.dtype, List[int]] = defaultdict(list)
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() == 0:  # no inf-norm (no identity), and nothing to flag
+            flags[index] = torch.zeros((), dtype=torch.bool, device=tensor.device)
+        else:
+            by_dtype[tensor.dtype].append(index)
+    for indices in by_dtype.values():
+        norms = torch._foreach_norm([tensors[i] for i in indices], float("inf"))
+        bad = torch.logical_not(torch.isfinite(torch.stack(norms)))
+        for position, index in enumerate(indices):
+            flags[index] = bad[position]
+    return torch.stack(flags)
+
+
+def _record(tensors: Tensors, found_inf: torch.Tensor, per_tensor_found_inf: Optional[torch.Tensor]) -> None:
+    """Set ``found_inf`` (and ``per_tensor_found_inf[i]``) for the tensors holding inf/NaN."""
+    if not tensors:
         return
-    bad = torch.stack([torch.logical_not(torch.isfinite(t).all()) for t in tensors]).to(per_tensor_found_inf.device)
-    per_tensor_found_inf.copy_(torch.maximum(per_tensor_found_inf, bad.float()))
-
-
-def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
-             found_inf: torch.Tensor, per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
-    """``outputs[i] = inputs[i] * inv_scale`` (cast to the output's dtype), checking for inf/NaN.
-
-    ``outputs[i]`` may be ``inputs[i]`` (in place).  Sparse inputs are not supported here;
-    use :func:`unscale_sparse`.
-    """
-    _record_per_tensor(inputs, per_tensor_found_inf)
-    in_place = [o for i, o in zip(inputs, outputs) if o is i]
-    copies = [(i, o) for i, o in zip(inputs, outputs) if o is not i]
-    if copies:
-        sources, targets = zip(*copies)
-        for group_sources, group_targets in _group_by_dtype(sources, targets).values():
-            torch._foreach_copy_(group_targets, group_sources)
-        in_place.extend(targets)
-    if in_place:
-        # The non-finite check runs on the already-cast output.  A float32 output of a
-        # low-precision input represents every input value exactly, so no inf/NaN is lost
-        # or invented by checking after the cast.
-        _check_and_unscale_dense_(in_place, inv_scale, found_inf)
-
-
-def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
-                         found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
-    """``outputs[i] += inputs[i] * inv_scale``, checking the new contributions for inf/NaN.
-
-    Used when a second loss (or a second backward before ``step``) adds to gradients that
-    are already unscaled: each contribution is unscaled with its own loss scale.
-    """
-    if not inputs:
-        return
-    unscaled = [torch.empty_like(o) for o in outputs]
-    unscale_(inputs, unscaled, inv_scale, found_inf)
-    for group_outputs, group_unscaled in _group_by_dtype(outputs, unscaled).values():
-        if out_weight != 1.0:
-            torch._foreach_mul_(group_outputs, out_weight)
-        torch._foreach_add_(group_outputs, group_unscaled)
-
-
-def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
-                  per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
-    """Set ``found_inf`` if any input holds inf/NaN, without writing the inputs."""
-    if not inputs:
-        return
-    bad = torch.stack([torch.logical_not(torch.isfinite(t).all()) for t in inputs])
+    bad = _nonfinite(tensors).to(found_inf.device)
     found_inf.copy_(torch.maximum(found_inf, bad.any().float().reshape(1)))
     if per_tensor_found_inf is not None:
         per_tensor_found_inf.copy_(torch.maximum(per_tensor_found_inf, bad.float()))
 
 
+def _foreach_by_dtype(fn, *lists: Tensors) -> None:
+    for group in _group_by_dtype(*lists).values():
+        fn(*group)
+
+
+def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
+             found_inf: torch.Tensor, per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
+    """``outputs[i] = inputs[i] * inv_scale``, rounded once to the output's dtype, flagging the
+    outputs that hold inf/NaN (a finite product that overflows the output's dtype included).
+
+    ``outputs[i]`` may be ``inputs[i]`` (in place).  An output that holds every input value
+    exactly is scaled in place after the copy; a narrower one gets the product of a float32
+    copy.  Sparse inputs are not supported here; use :func:`unscale_sparse`.
+    """
+    if not inputs:
+        return
+    scaled: List[torch.Tensor] = []  # scaled in place: outputs, or staging copies
+    copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for x, y in zip(inputs, outputs):
+        if y is x:
+            scaled.append(y)
+        elif _exact_cast(x.dtype, y.dtype):
+            copies.append((y, x))
+            scaled.append(y)
+        else:
+            staging = x.to(_compute_dtype(x.dtype, y.dtype), copy=True)
+            staged.append((y, staging))
+            scaled.append(staging)
+    if copies:
+        _foreach_by_dtype(torch._foreach_copy_, *zip(*copies))
+    _foreach_by_dtype(lambda group: torch._foreach_mul_(group, inv_scale.reshape(())), scaled)
+    if staged:
+        _foreach_by_dtype(torch._foreach_copy_, *zip(*staged))
+    _record(outputs, found_inf, per_tensor_found_inf)
+
+
+def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
+                         found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
+    """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale``, computed in float32 and
+    rounded once, flagging what this call brings: a non-finite contribution, or a finite output
+    value that the sum pushes past its dtype.
+
+    Used when a second loss (or a second backward before ``step``) adds to gradients that
+    are already unscaled: each contribution is unscaled with its own loss scale, and an inf/NaN
+    an earlier loss left in the outputs (flagged for that loss) is not flagged again.
+    """
+    if not inputs:
+        return
+    flags = []
+    for x, y in zip(inputs, outputs):
+        compute = _compute_dtype(x.dtype, y.dtype)
+        contribution = x.to(compute) * inv_scale
+        previous = y.to(compute, copy=True)
+        y.copy_(previous * out_weight + contribution)
+        overflowed = torch.logical_and(torch.logical_not(torch.isfinite(y)), torch.isfinite(previous)).any()
+        flags.append(torch.logical_or(torch.logical_not(torch.isfinite(contribution).all()), overflowed))
+    bad = torch.stack(flags).any().to(found_inf.device)
+    found_inf.copy_(torch.maximum(found_inf, bad.float().reshape(1)))
+
+
+def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
+                  per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
+    """Set ``found_inf`` if any input holds inf/NaN, without writing the inputs."""
+    _record(inputs, found_inf, per_tensor_found_inf)
+
+
 def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Total L2 norm (1-element float32) and, if ``per_tensor``, each tensor's norm."""
+    """Total L2 norm (1-element float32) and, if ``per_tensor``, each tensor's norm; squares and
+    sums in double."""
     device = inputs[0].device if inputs else torch.device("cpu")
     if not inputs:
         return torch.zeros(1, device=device), torch.empty(0, device=device)
@@ -158,53 +199,95 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     overflow_count.add_(overflow.to(overflow_count.dtype))
 
 
-# -- fused optimizers: torch ops, one tensor at a time -------------------------------------------
-# Without the compiled kernels the fused optimizers still compute exactly their update, but
-# the skip decision and the bias corrections read device values on the host (syncs on CUDA).
+# -- fused optimizers: torch ops, one tensor at a time ---------------------------------------------
+# The update is computed out of place in float32 and kept only where found_inf is 0
+# (torch.where on the device): nothing reads a device value on the host, capturable or not.
+# Hyper-parameters are Python floats, or 0-dim views of ``hyper`` on the device.
+
+Scalar = Union[float, torch.Tensor]
+
+
+def _hyper_scalars(hyper: Optional[torch.Tensor], floats: Sequence[float]) -> List[Scalar]:
+    if hyper is None:
+        return [float(value) for value in floats]
+    if hyper.dtype != torch.float64 or hyper.numel() != len(floats):
+        raise ValueError(f"hyper must be a float64 tensor of {len(floats)} values; got {hyper.numel()} "
+                         f"value(s) of {hyper.dtype}")
+    return list(hyper.reshape(-1).unbind())
+
+
+def _f32(value: Scalar) -> Scalar:
+    """A hyper-parameter as the kernels use it, rounded to float32 (a Python float is rounded by
+    torch's scalar conversion)."""
+    return value.float() if isinstance(value, torch.Tensor) else value
+
+
+def _keep(found_inf: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on the device: this step is applied."""
+    return (found_inf == 0).reshape(())
+
+
+def _store(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor) -> None:
+    target.copy_(torch.where(keep, value.to(target.dtype), target))
+
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
-                bias_correction: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """Adam/AdamW as torch.optim.Adam's single-tensor path computes it; see ``ops.fused_adam_``."""
-    if not params or bool(found_inf.item()):
+                bias_correction: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                hyper: Optional[torch.Tensor] = None) -> None:
+    """Adam/AdamW as torch.optim.Adam computes it, for float32/float16/bfloat16 params with
+    state of the param's dtype; see ``ops.fused_adam_``."""
+    if not params:
         return
+    lr, beta1, beta2, eps, weight_decay = _hyper_scalars(hyper, (lr, beta1, beta2, eps, weight_decay))
+    keep = _keep(found_inf)
     for i, param in enumerate(params):
+        step = steps[i] + keep.to(steps[i].dtype)
         grad = grads[i].float() * inv_scale
-        steps[i] += 1
-        step = float(steps[i])
-        if weight_decay != 0:
-            if decoupled_weight_decay:
-                param.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(param, alpha=weight_decay)
-        exp_avgs[i].lerp_(grad, 1 - beta1)
-        exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step if bias_correction else 1.0
-        bias_correction2 = 1 - beta2 ** step if bias_correction else 1.0
-        denom = (exp_avg_sqs[i].sqrt() / math.sqrt(bias_correction2)).add_(eps)
-        param.addcdiv_(exp_avgs[i], denom, value=-lr / bias_correction1)
-    if model_params:
-        copy_(model_params, params)
+        w = param.float()
+        if decoupled_weight_decay:
+            w = w * _f32(1 - lr * weight_decay)
+        else:
+            grad = grad + w * _f32(weight_decay)
+        m = exp_avgs[i].float().lerp(grad, _f32(1 - beta1))
+        v = exp_avg_sqs[i].float() * _f32(beta2) + _f32(1 - beta2) * grad * grad
+        if bias_correction:
+            bias_correction1 = 1 - torch.pow(beta1, step.double())
+            bias_correction2 = 1 - torch.pow(beta2, step.double())
+        else:
+            bias_correction1 = bias_correction2 = torch.ones((), dtype=torch.float64, device=param.device)
+        denom = v.sqrt() / bias_correction2.sqrt().float() + _f32(eps)
+        w = w + (-(lr / bias_correction1)).float() * m / denom
+        _store(param, w, keep)
+        _store(exp_avgs[i], m, keep)
+        _store(exp_avg_sqs[i], v, keep)
+        if model_params:
+            _store(model_params[i], w, keep)
+        steps[i].copy_(step)
 
 
 def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: float, momentum: float,
                dampening: float, weight_decay: float, nesterov: bool, inv_scale: torch.Tensor,
-               found_inf: torch.Tensor) -> None:
+               found_inf: torch.Tensor, new_buffer_flags: Sequence[torch.Tensor] = (),
+               hyper: Optional[torch.Tensor] = None) -> None:
     """SGD as torch.optim.SGD computes it; see ``ops.fused_sgd_``."""
-    if not params or bool(found_inf.item()):
+    if not params:
         return
+    lr, momentum, dampening, weight_decay = _hyper_scalars(hyper, (lr, momentum, dampening, weight_decay))
+    keep = _keep(found_inf)
     for i, param in enumerate(params):
         grad = grads[i].float() * inv_scale
-        steps[i] += 1
-        if weight_decay != 0:
-            grad = grad.add(param, alpha=weight_decay)
-        if momentum != 0:
+        w = param.float()
+        grad = grad + w * _f32(weight_decay)
+        if momentum_buffers:
             buffer = momentum_buffers[i]
-            if float(steps[i]) == 1.0:
-                buffer.copy_(grad)
-            else:
-                buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
-            grad = grad.add(buffer, alpha=momentum) if nesterov else buffer
-        param.add_(grad, alpha=-lr)
-    if model_params:
-        copy_(model_params, params)
+            updated = buffer.float() * _f32(momentum) + _f32(1 - dampening) * grad
+            b = torch.where((new_buffer_flags[i] != 0).reshape(()), grad, updated)
+            grad = grad + b * _f32(momentum) if nesterov else b
+            _store(buffer, b, keep)
+            new_buffer_flags[i].mul_((found_inf != 0).to(new_buffer_flags[i].dtype))
+        w = w - grad * _f32(lr)
+        _store(param, w, keep)
+        if model_params:
+            _store(model_params[i], w, keep)
+        steps[i].add_(keep.to(steps[i].dtype))

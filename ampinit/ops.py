@@ -4,11 +4,15 @@ Every op follows one contract, shared by the compiled kernels (``torch.ops.ampin
 ``csrc/``) and the pure-PyTorch fallback (``_fallback``): ``inv_scale`` and ``found_inf`` are
 1-element float32 tensors on the tensors' device; the kernels read them from device memory, so
 no op synchronises with the device.  The caller zeroes ``found_inf``; an op only ever sets it
-to 1.0.  Outputs may be the inputs (in place).
+to 1.0, when a value it *writes* is inf/NaN (a finite value that overflows a narrower output
+dtype counts; ``accumulate_unscaled_`` flags only what its own contribution brings).  Outputs
+may be the inputs (in place).
 
 Each call takes the compiled kernels when the extension is loaded, was built for the tensors'
 device type and handles their dtypes (float32, float16, bfloat16, dense); anything else runs
-the fallback.  :func:`backend` says which path is live and why.
+the fallback.  Complex tensors (complex64/complex128) are handled as their real views
+(``torch.view_as_real``) by ``unscale_``, ``accumulate_unscaled_``, ``check_finite_`` and
+``copy_``: an inf/NaN in either part counts.  :func:`backend` says which path is live and why.
 """
 
 from __future__ import annotations
@@ -53,19 +57,109 @@ def backend(device: Optional[torch.device] = None) -> Tuple[str, str]:
     return "cuda", "compiled extension, CUDA kernels"
 
 
+_KERNEL_DTYPES_ONLY, _SOME_COMPLEX = 1, 2
+
+
+def _kinds(*lists: Tensors) -> int:
+    """``_KERNEL_DTYPES_ONLY`` if every tensor is a dense float32/float16/bfloat16 one, ``|
+    _SOME_COMPLEX`` if any is complex: one C pass with the extension (a Python loop over 1000
+    gradients costs more than the kernels it routes), a Python one without."""
+    module = _ext.EXTENSION
+    if module is not None:
+        return module.tensor_kinds(*lists)
+    kinds = _KERNEL_DTYPES_ONLY
+    for tensors in lists:
+        for t in tensors:
+            if t.dtype not in _KERNEL_DTYPES or t.layout != torch.strided:
+                kinds &= ~_KERNEL_DTYPES_ONLY
+            if t.is_complex():
+                kinds |= _SOME_COMPLEX
+    return kinds
+
+
 def _use_kernels(device: torch.device, *lists: Tensors) -> bool:
     """Whether the compiled kernels take these tensors (else the fallback runs)."""
-    if not _built_for(device.type):
-        return False
-    return all(t.dtype in _KERNEL_DTYPES and t.layout == torch.strided for tensors in lists for t in tensors)
+    return _built_for(device.type) and bool(_kinds(*lists) & _KERNEL_DTYPES_ONLY)
 
+
+def _route_pairs(op: str, device: torch.device, inputs: Tensors, outputs: Tensors):
+    """``(use_kernels, inputs, outputs)``: complex pairs as their real views, then whether the
+    kernels take every tensor."""
+    kinds = _kinds(inputs, outputs)
+    if kinds & _SOME_COMPLEX:
+        inputs, outputs = _as_real_pairs(op, inputs, outputs)
+        kinds = _kinds(inputs, outputs)
+    return _built_for(device.type) and bool(kinds & _KERNEL_DTYPES_ONLY), inputs, outputs
+
+
+def _check_flags_device(op: str, tensors: Tensors, *flags: Optional[torch.Tensor]) -> None:
+    """A clear error for flags on another device than the tensors (a CPU ``found_inf`` with CUDA
+    gradients would otherwise fail deep in a device guard or a foreach kernel)."""
+    if not tensors:
+        return
+    device = tensors[0].device
+    for flag in flags:
+        if flag is not None and flag.device != device:
+            raise ValueError(f"ampinit.ops.{op}: inv_scale, found_inf and per-tensor flags must be on the "
+                             f"tensors' device ({device}); got one on {flag.device}. Create them with "
+                             f"device={str(device)!r}")
+
+
+# -- complex tensors: their real views -----------------------------------------------------------
+
+def _real_view(tensor: torch.Tensor, op: str, written: bool) -> torch.Tensor:
+    if tensor.is_conj():
+        if written:
+            raise ValueError(f"ampinit.ops.{op}: an output has its conjugate bit set; pass "
+                             "tensor.resolve_conj() and use the result")
+        tensor = tensor.resolve_conj()
+    return torch.view_as_real(tensor)
+
+
+def _as_real_pairs(op: str, inputs: Tensors, outputs: Tensors) -> Tuple[Tensors, Tensors]:
+    """``(inputs, outputs)`` with each complex pair replaced by its real views; a pair stays one
+    tensor where it was one (in place)."""
+    if len(inputs) != len(outputs):
+        raise ValueError(f"ampinit.ops.{op}: inputs and outputs must have the same length; got "
+                         f"{len(inputs)} and {len(outputs)}")
+    real_in, real_out = [], []
+    for i, (x, y) in enumerate(zip(inputs, outputs)):
+        if x.is_complex() != y.is_complex():
+            raise ValueError(f"ampinit.ops.{op}: tensor {i} pairs a {x.dtype} input with a {y.dtype} output; "
+                             "a complex tensor's partner must be complex too")
+        if not x.is_complex():
+            real_in.append(x)
+            real_out.append(y)
+        elif y is x:
+            view = _real_view(x, op, written=True)
+            real_in.append(view)
+            real_out.append(view)
+        else:
+            real_in.append(_real_view(x, op, written=False))
+            real_out.append(_real_view(y, op, written=True))
+    return real_in, real_out
+
+
+def _route(op: str, device: torch.device, tensors: Tensors):
+    """``(use_kernels, tensors)`` for a read-only list: complex tensors as their real views."""
+    kinds = _kinds(tensors)
+    if kinds & _SOME_COMPLEX:
+        tensors = [_real_view(t, op, written=False) if t.is_complex() else t for t in tensors]
+        kinds = _kinds(tensors)
+    return _built_for(device.type) and bool(kinds & _KERNEL_DTYPES_ONLY), tensors
+
+
+# -- ops -------------------------------------------------------------------------------------------
 
 def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor,
              per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
-    """``outputs[i] = inputs[i] * inv_scale``, cast to the output's dtype, in one pass that also
-    sets ``found_inf`` if any scaled value is inf/NaN (and ``per_tensor_found_inf[i]`` for the
-    tensors that held one, when given).  ``outputs[i]`` may be ``inputs[i]``.  No sync."""
-    if _use_kernels(found_inf.device, inputs, outputs):
+    """``outputs[i] = inputs[i] * inv_scale``, computed in float32 and rounded once to the
+    output's dtype, in one pass that also sets ``found_inf`` if a value written is inf/NaN (and
+    ``per_tensor_found_inf[i]`` for the tensors that held one, when given).  ``outputs[i]`` may
+    be ``inputs[i]``.  No sync."""
+    _check_flags_device("unscale_", inputs, inv_scale, found_inf, per_tensor_found_inf)
+    kernels, inputs, outputs = _route_pairs("unscale_", found_inf.device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
     else:
         _fallback.unscale_(inputs, outputs, inv_scale, found_inf, per_tensor_found_inf)
@@ -73,10 +167,14 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
 
 def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor,
                          found_inf: torch.Tensor, out_weight: float = 1.0) -> None:
-    """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale``, checking only the new
-    contributions for inf/NaN.  Used when a second loss (or a second backward before ``step``)
-    adds to gradients that are already unscaled.  No sync."""
-    if _use_kernels(found_inf.device, inputs, outputs):
+    """``outputs[i] = out_weight * outputs[i] + inputs[i] * inv_scale`` in float32, rounded once,
+    setting ``found_inf`` for what this call brings: a non-finite contribution, or a finite
+    output value that the sum pushes past its dtype (an inf/NaN an earlier loss left in the
+    outputs was flagged for that loss, and is not again).  Used when a second loss (or a second
+    backward before ``step``) adds to gradients that are already unscaled.  No sync."""
+    _check_flags_device("accumulate_unscaled_", inputs, inv_scale, found_inf)
+    kernels, inputs, outputs = _route_pairs("accumulate_unscaled_", found_inf.device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
     else:
         _fallback.accumulate_unscaled_(inputs, outputs, inv_scale, found_inf, out_weight)
@@ -85,7 +183,9 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
 def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
                   per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
     """Set ``found_inf`` if any input holds inf/NaN; read-only on the inputs.  No sync."""
-    if _use_kernels(found_inf.device, inputs):
+    _check_flags_device("check_finite_", inputs, found_inf, per_tensor_found_inf)
+    kernels, inputs = _route("check_finite_", found_inf.device, inputs)
+    if kernels:
         torch.ops.ampinit.check_finite_(list(inputs), found_inf, per_tensor_found_inf)
     else:
         _fallback.check_finite_(inputs, found_inf, per_tensor_found_inf)
@@ -99,7 +199,10 @@ def unscale_sparse(grad: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch
 
 def copy_(outputs: Tensors, inputs: Tensors) -> None:
     """``outputs[i].copy_(inputs[i])`` with round-to-nearest-even conversion (masters -> model)."""
-    if inputs and _use_kernels(inputs[0].device, inputs, outputs):
+    if not inputs:
+        return
+    kernels, inputs, outputs = _route_pairs("copy_", inputs[0].device, inputs, outputs)
+    if kernels:
         torch.ops.ampinit.copy_(list(outputs), list(inputs))
     else:
         _fallback.copy_(outputs, inputs)
@@ -107,8 +210,10 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
 
 def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm over all ``inputs`` as a 1-element float32 tensor on their device, and the
-    norm of each one (empty unless ``per_tensor``).  Accumulates in double; inf/NaN propagate.
-    No sync, so clipping can use it without one: ``grads * (max_norm / (norm + 1e-6)).clamp(max=1)``."""
+    norm of each one (empty unless ``per_tensor``).  Each square and every sum is in double, so
+    the result is finite whenever the norm is representable; inf/NaN propagate.  No sync (and
+    no host-to-device copy: CUDA-graph capturable), so clipping can use it without one:
+    ``grads * (max_norm / (norm + 1e-6)).clamp(max=1)``."""
     inputs = list(inputs)
     if inputs and _use_kernels(inputs[0].device, inputs):
         return torch.ops.ampinit.l2norm(inputs, per_tensor)
@@ -135,33 +240,57 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
 def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 steps: Tensors, model_params: Tensors, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, decoupled_weight_decay: bool, bias_correction: bool,
-                inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """One Adam (or AdamW, ``decoupled_weight_decay``) step of FP32 ``params`` from
-    ``grads * inv_scale``, writing ``model_params`` (empty, or one 16-bit copy per param) in
-    the same pass.  When ``found_inf`` is set nothing changes, steps included; the compiled
-    kernels decide that on the device (no sync), the fallback reads the flag (one sync)."""
+                inv_scale: torch.Tensor, found_inf: torch.Tensor, hyper: Optional[torch.Tensor] = None) -> None:
+    """One Adam (or AdamW, ``decoupled_weight_decay``) step of ``params`` from
+    ``grads * inv_scale``, as ``torch.optim.Adam(fused=True)`` computes it.
+
+    ``params`` are float32, float16 or bfloat16; ``exp_avgs``/``exp_avg_sqs`` have their param's
+    dtype; all arithmetic is float32 and each stored value is rounded once.  ``grads`` may be
+    any of the three dtypes.  ``model_params`` is empty, or one 16-bit copy per (float32) param
+    written in the same pass.  ``steps`` are 1-element float32 counters on the device.
+
+    When ``found_inf`` is set nothing changes, steps included: the compiled kernels decide that
+    on the device, and the fallback with ``torch.where``, so no path syncs.
+    ``hyper`` (capturable optimizers): a float64 tensor ``[lr, beta1, beta2, eps, weight_decay]``
+    on the params' device, read instead of the float arguments, so that a CUDA-graph replay
+    sees values changed in place.
+    """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
                                       list(model_params), float(lr), float(beta1), float(beta2), float(eps),
                                       float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
-                                      inv_scale, found_inf)
+                                      inv_scale, found_inf, hyper)
     else:
         _fallback.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=weight_decay,
                               decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction,
-                              inv_scale=inv_scale, found_inf=found_inf)
+                              inv_scale=inv_scale, found_inf=found_inf, hyper=hyper)
 
 
 def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Tensors, steps: Tensors,
                model_params: Tensors, *, lr: float, momentum: float, dampening: float, weight_decay: float,
-               nesterov: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """One SGD step (momentum, dampening, nesterov, weight decay) like :func:`fused_adam_`;
-    ``momentum_buffers`` is empty exactly when ``momentum == 0``."""
+               nesterov: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+               new_buffer_flags: Optional[Tensors] = None, hyper: Optional[torch.Tensor] = None) -> None:
+    """One SGD step (momentum, dampening, nesterov, weight decay) like :func:`fused_adam_`, as
+    ``torch.optim.SGD`` computes it; dtypes and skipping as there.
+
+    ``momentum_buffers`` is empty exactly when ``momentum == 0`` (with ``hyper``: when the
+    caller has no buffers).  ``new_buffer_flags``: one 1-element float32 device tensor per
+    buffer, nonzero while that buffer has never been applied: torch's rule, the buffer then
+    becomes the gradient (its contents are ignored).  An applied step zeroes the flag, a
+    skipped one leaves it, on the device.  ``None`` keeps the rule of counting steps: a buffer
+    is new on its param's first step (``steps == 0``).
+    ``hyper``: a float64 tensor ``[lr, momentum, dampening, weight_decay]``, as in
+    :func:`fused_adam_`.
+    """
+    if new_buffer_flags is None:
+        new_buffer_flags = [(step == 0).float().reshape(1) for step in steps] if momentum_buffers else []
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_sgd_(params, list(grads), list(momentum_buffers), list(steps), list(model_params),
                                      float(lr), float(momentum), float(dampening), float(weight_decay),
-                                     bool(nesterov), inv_scale, found_inf)
+                                     bool(nesterov), inv_scale, found_inf, list(new_buffer_flags), hyper)
     else:
         _fallback.fused_sgd_(params, grads, momentum_buffers, steps, model_params, lr=lr, momentum=momentum,
                              dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                             inv_scale=inv_scale, found_inf=found_inf)
+                             inv_scale=inv_scale, found_inf=found_inf, new_buffer_flags=new_buffer_flags,
+                             hyper=hyper)

@@ -1,13 +1,22 @@
-"""Fused optimizers: one pass per parameter reads the gradient, unscales it, updates the FP32
-param and state, and writes the low-precision model copy.
+"""Fused optimizers: one pass per parameter reads the gradient, unscales it, updates the param
+and its state, and writes the low-precision model copy.
 
-On their own they are drop-in ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` for FP32 params, with
-``torch.optim``'s state layout (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, plus a
-``step`` tensor on the param's device).  Under :func:`ampinit.initialize` at O2/O5 they read
-the model's scaled fp16/bf16 gradients directly, unscale inside the kernel, skip the step on
-the device when the gradients overflowed, and write the model weights in the same pass: with
-the compiled kernels, ``step()`` makes no host sync (see ``ampinit.handle`` for how skipped
-steps are counted without one).
+On their own they are drop-in ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` for float32, float16
+and bfloat16 params, computing what ``torch.optim.Adam/AdamW/SGD(fused=True)`` computes:
+optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) in the param's dtype, all
+arithmetic in float32, each stored value rounded once.  16-bit params are updated directly,
+as apex's ``FusedAdam``/``FusedSGD`` did (O3, or a ``.half()`` model).
+
+State dicts load both ways: a ``torch.optim.Adam/AdamW/SGD`` checkpoint continues exactly in
+these optimizers, and theirs in torch's (``state_dict()`` gives torch's layout: ``step`` a CPU
+float32 tensor unless capturable, a momentum buffer that was never applied saved as ``None``).
+
+Under :func:`ampinit.initialize` at O2/O5 they read the model's scaled fp16/bf16 gradients
+directly, unscale inside the kernel, skip the step on the device when the gradients
+overflowed, and write the model weights in the same pass: with the compiled kernels (and with
+the torch fallback), ``step()`` makes no host sync.  ``capturable=True`` keeps the
+hyper-parameters in device tensors as well (see :class:`FusedAdam`), so a whole step can be
+captured in a CUDA graph and LR schedulers keep working across replays.
 
 Names and defaults follow apex's ``apex.optimizers``: :class:`FusedAdam` is AdamW unless
 ``adam_w_mode=False``, as in apex.
@@ -15,7 +24,7 @@ Names and defaults follow apex's ``apex.optimizers``: :class:`FusedAdam` is Adam
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,15 +34,60 @@ __all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
-    """What the fused optimizers share: grouping params per call, and the two ways to step."""
+    """What the fused optimizers share: grouping params per call, the two ways to step,
+    state-dict compatibility with torch.optim, and device-resident hyper-parameters."""
 
     # Tells ampinit's optimizer wrapper that step() takes scaled model gradients and found_inf.
     _ampinit_fused = True
+    # Group keys of torch.optim checkpoints that these kernels cannot honour: key -> the only
+    # accepted value.
+    _REFUSED: Dict[str, Any] = {"maximize": False}
 
     def __init__(self, params, defaults: dict):
         super().__init__(params, defaults)
         self._constants: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
+    # -- loading and saving --------------------------------------------------------------
+    def __setstate__(self, state: dict) -> None:
+        """Also run by ``load_state_dict``: loaded param groups replace ours, so keys a
+        ``torch.optim`` checkpoint lacks come from our defaults, and settings the fused
+        kernels cannot follow are refused."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_constants", {})
+        for index, group in enumerate(self.param_groups):
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            self._check_loaded_group(index, group)
+
+    def _check_loaded_group(self, index: int, group: dict) -> None:
+        for key, accepted in self._REFUSED.items():
+            if bool(group.get(key, accepted)) != accepted:
+                raise ValueError(f"{type(self).__name__} cannot continue param group {index}: it was saved with "
+                                 f"{key}={group[key]!r}, which the fused kernels do not implement. Load it into "
+                                 f"the torch.optim optimizer that saved it")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim``'s layout, loadable by ``torch.optim.Adam/AdamW/SGD`` and by these
+        optimizers: ``step`` is a CPU float32 tensor unless the group is capturable (torch
+        keeps it on the device only then).  Reads the device steps: one sync, here only."""
+        state_dict = super().state_dict()
+        capturable = {index: bool(group.get("capturable", False))
+                      for group in state_dict["param_groups"] for index in group["params"]}
+        packed = {}
+        for index, param_state in state_dict["state"].items():
+            # Fresh dicts: the ones torch returns are our live per-param state.
+            param_state = self._saved_param_state(dict(param_state))
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor) and not capturable.get(index, False):
+                param_state["step"] = step.detach().to("cpu", torch.float32).reshape(())
+            packed[index] = param_state
+        state_dict["state"] = packed
+        return state_dict
+
+    def _saved_param_state(self, param_state: dict) -> dict:
+        return param_state
+
+    # -- stepping -------------------------------------------------------------------------
     def _unit_flags(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(inv_scale=1, found_inf=0)`` on ``device``, made once per device."""
         flags = self._constants.get(device)
@@ -75,10 +129,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
                                        "use torch.optim.SparseAdam for sparse embeddings")
-                if param.dtype != torch.float32:
-                    raise TypeError(f"{type(self).__name__} updates float32 params; got a {param.dtype} param. "
-                                    "Keep the model in float32, or use ampinit.initialize at O2/O5 so the "
-                                    "optimizer holds FP32 master weights")
+                if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"{type(self).__name__} updates float32, float16 and bfloat16 params; got a "
+                                    f"{param.dtype} param. Use the torch.optim optimizer for it")
                 model = model_of.get(param)
                 key = (param.device, scaled, model is not None)
                 params, grads, models = calls.setdefault(key, ([], [], []))
@@ -95,28 +148,90 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _step_tensor(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state[param]
         step = state.get("step")
-        if step is None or not isinstance(step, torch.Tensor) or step.device != param.device \
-                or step.dtype != torch.float32:
+        if not isinstance(step, torch.Tensor) or step.device != param.device or step.dtype != torch.float32:
             # New, or loaded from a torch.optim checkpoint (which keeps "step" on the CPU).
-            step = state["step"] = torch.tensor(float(step or 0), dtype=torch.float32, device=param.device)
+            # torch.full: a fill kernel, where torch.tensor would copy from pageable memory.
+            value = 0.0 if step is None else float(step)
+            step = state["step"] = torch.full((), value, dtype=torch.float32, device=param.device)
         return step
+
+    def _state_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        """``state[key]`` in the param's dtype (the kernels' contract), zeros when new."""
+        state = self.state[param]
+        value = state.get(key)
+        if value is None:
+            value = state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        elif value.dtype != param.dtype or value.device != param.device:
+            value = state[key] = value.to(device=param.device, dtype=param.dtype)
+        return value
+
+    # -- device-resident hyper-parameters (capturable=True) ----------------------------------
+    def _device_scalar(self, group: dict, key: str, value: Any, device: torch.device) -> torch.Tensor:
+        """``value`` as a float64 0-dim tensor on ``device``: kept as is when it already is one
+        (so in-place updates, like LR schedulers' ``fill_``, reach the kernels), else made once
+        (``torch.full``: a fill kernel, no host-to-device copy) and stored back by the caller."""
+        if isinstance(value, torch.Tensor):
+            if value.device == device and value.dtype == torch.float64 and value.dim() == 0:
+                return value
+            return value.detach().to(device=device, dtype=torch.float64).reshape(())
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+
+    def _hyper(self, group: dict, device: torch.device) -> Optional[torch.Tensor]:
+        """The float64 hyper-parameter vector the kernels read on the device (capturable
+        groups), else ``None``.  Built by one ``torch.stack`` of the group's tensors: under
+        CUDA-graph replay the stack re-reads them."""
+        if not group.get("capturable", False):
+            return None
+        values = []
+        for key in self._HYPER_KEYS:
+            tensor = self._device_scalar(group, key, _get_hyper(group, key), device)
+            _set_hyper(group, key, tensor)
+            values.append(tensor)
+        return torch.stack(values)
+
+    _HYPER_KEYS: Sequence[str] = ()
 
     def _update(self, group: dict, params: List[torch.Tensor], grads: List[torch.Tensor],
                 models: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
 
 
+def _get_hyper(group: dict, key: str):
+    """``group[key]``, with ``beta1``/``beta2`` inside ``group["betas"]``."""
+    if key in ("beta1", "beta2"):
+        return group["betas"][0 if key == "beta1" else 1]
+    return group[key]
+
+
+def _set_hyper(group: dict, key: str, value) -> None:
+    if key in ("beta1", "beta2"):
+        betas = list(group["betas"])
+        index = 0 if key == "beta1" else 1
+        if betas[index] is not value:
+            betas[index] = value
+            group["betas"] = tuple(betas)
+    elif group[key] is not value:
+        group[key] = value
+
+
+def _host_float(value) -> float:
+    """A hyper-parameter as a Python float (reads a device tensor: used on the non-capturable
+    path and at construction only)."""
+    return float(value)
+
+
 def _check_hyper(lr: float, eps: Optional[float] = None, weight_decay: float = 0.0,
                  betas: Optional[Tuple[float, float]] = None, momentum: float = 0.0) -> None:
+    lr, weight_decay, momentum = _host_float(lr), _host_float(weight_decay), _host_float(momentum)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
-    if eps is not None and not 0.0 <= eps:
+    if eps is not None and not 0.0 <= _host_float(eps):
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if not 0.0 <= momentum:
         raise ValueError(f"Invalid momentum value: {momentum}")
-    if betas is not None and not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+    if betas is not None and not all(0.0 <= _host_float(beta) < 1.0 for beta in betas):
         raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
 
 
@@ -124,83 +239,182 @@ class FusedAdam(_FusedOptimizer):
     """Adam/AdamW in one fused pass per parameter (apex's ``FusedAdam``).
 
     Args:
-        params: FP32 parameters (under ``initialize`` at O2/O5: the model's, as usual).
+        params: float32, float16 or bfloat16 parameters (under ``initialize`` at O2/O5: the
+            model's, as usual).  16-bit params are updated directly, with 16-bit state.
         lr, betas, eps, weight_decay: as in ``torch.optim.Adam``.
         bias_correction: apply Adam's bias corrections (apex's flag).
         adam_w_mode: decoupled weight decay (AdamW), apex's default; ``False`` gives
             ``torch.optim.Adam``'s L2 penalty.
         amsgrad: not supported (as in apex); raises ``ValueError``.
+        capturable: keep ``lr``, ``betas``, ``eps`` and ``weight_decay`` as float64 device
+            tensors in the param group (made at the first step), which the kernels read on the
+            device: a step captured in a CUDA graph sees later in-place changes (LR
+            schedulers ``fill_`` a tensor ``lr``).  Replacing a group's value with a Python
+            float also works in eager steps, but a graph replay keeps the tensor it captured.
+
+    Loading a ``torch.optim.Adam``/``AdamW`` state dict continues it exactly; one saved with
+    ``amsgrad=True``, ``maximize=True``, or (with weight decay) a ``decoupled_weight_decay``
+    that contradicts ``adam_w_mode`` raises ``ValueError``.
     """
+
+    _HYPER_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    _REFUSED = {"maximize": False, "amsgrad": False}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 capturable: bool = False):
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support AMSGrad; use torch.optim.Adam(amsgrad=True)")
         _check_hyper(lr, eps, weight_decay, tuple(betas))
+        self.adam_w_mode = bool(adam_w_mode)
+        # amsgrad/maximize/decoupled_weight_decay: torch.optim.Adam's keys, so that our state
+        # dicts continue exactly there too.
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, amsgrad=False, maximize=False,
+                        decoupled_weight_decay=self.adam_w_mode, capturable=bool(capturable))
         super().__init__(params, defaults)
-        self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
+
+    def _check_loaded_group(self, index: int, group: dict) -> None:
+        super()._check_loaded_group(index, group)
+        decoupled = bool(group.get("decoupled_weight_decay", self.adam_w_mode))
+        if decoupled != self.adam_w_mode and _host_float(group["weight_decay"]) != 0.0:
+            saved = "torch.optim.AdamW or FusedAdam(adam_w_mode=True)" if decoupled else \
+                "torch.optim.Adam or FusedAdam(adam_w_mode=False)"
+            raise ValueError(f"{type(self).__name__} cannot continue param group {index}: it was saved with "
+                             f"decoupled_weight_decay={decoupled} ({saved}) and weight_decay="
+                             f"{group['weight_decay']}, but this optimizer has adam_w_mode={self.adam_w_mode}. "
+                             f"Construct it with adam_w_mode={decoupled}")
+        group["decoupled_weight_decay"] = self.adam_w_mode
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def _update(self, group, params, grads, models, inv_scale, found_inf) -> None:
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for param in params:
-            state = self.state[param]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            steps.append(self._step_tensor(param))
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-        beta1, beta2 = group["betas"]
-        ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, models, lr=group["lr"], beta1=beta1,
-                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                        decoupled_weight_decay=self.adam_w_mode, bias_correction=group["bias_correction"],
-                        inv_scale=inv_scale, found_inf=found_inf)
+        exp_avgs = [self._state_tensor(param, "exp_avg") for param in params]
+        exp_avg_sqs = [self._state_tensor(param, "exp_avg_sq") for param in params]
+        steps = [self._step_tensor(param) for param in params]
+        hyper = self._hyper(group, params[0].device)
+        if hyper is None:
+            beta1, beta2 = (_host_float(beta) for beta in group["betas"])
+            lr, eps, weight_decay = (_host_float(group[key]) for key in ("lr", "eps", "weight_decay"))
+        else:  # read from `hyper` on the device; the floats are placeholders
+            lr = beta1 = beta2 = eps = weight_decay = 0.0
+        ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, models, lr=lr, beta1=beta1, beta2=beta2,
+                        eps=eps, weight_decay=weight_decay, decoupled_weight_decay=self.adam_w_mode,
+                        bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
+                        hyper=hyper)
 
 
 class FusedAdamW(FusedAdam):
     """AdamW (decoupled weight decay) in one fused pass; matches ``torch.optim.AdamW``."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, bias_correction: bool = True):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, bias_correction: bool = True,
+                 capturable: bool = False):
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         adam_w_mode=True, weight_decay=weight_decay)
+                         adam_w_mode=True, weight_decay=weight_decay, capturable=capturable)
+
+
+# The state key of FusedSGD's per-param flag (a 1-element float32 device tensor): nonzero while
+# the momentum buffer has never been applied.  Never saved: state_dict() writes such a buffer
+# as None, torch.optim.SGD's "no buffer yet".
+_NEW_BUFFER = "momentum_buffer_is_new"
 
 
 class FusedSGD(_FusedOptimizer):
     """SGD with momentum, dampening, nesterov and weight decay in one fused pass per parameter;
-    matches ``torch.optim.SGD`` (and apex's ``FusedSGD`` with its defaults)."""
+    matches ``torch.optim.SGD`` (and apex's ``FusedSGD`` with its defaults) for float32,
+    float16 and bfloat16 params.
+
+    As in torch, a param without a momentum buffer gets the gradient as its buffer; one loaded
+    from a ``torch.optim.SGD`` checkpoint is updated.  Whether a new buffer was applied is
+    decided on the device (a skipped step leaves it new), so stepping never syncs.
+
+    ``capturable=True`` keeps ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` as
+    float64 device tensors (see :class:`FusedAdam`); whether the group has momentum buffers
+    at all is fixed by its momentum when it became a tensor.
+    """
+
+    _HYPER_KEYS = ("lr", "momentum", "dampening", "weight_decay")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
-                 materialize_master_grads: bool = True, set_grad_none: bool = False):
+                 materialize_master_grads: bool = True, set_grad_none: bool = False, capturable: bool = False):
         _check_hyper(lr, weight_decay=weight_decay, momentum=momentum)
-        if nesterov and (momentum <= 0 or dampening != 0):
+        if nesterov and (_host_float(momentum) <= 0 or _host_float(dampening) != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         if wd_after_momentum:
             raise ValueError("FusedSGD(wd_after_momentum=True) is not supported; weight decay is added to the "
                              "gradient before momentum, as torch.optim.SGD does")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov)
+                        nesterov=nesterov, maximize=False, capturable=bool(capturable))
+        # id(momentum tensor) -> (the tensor, whether the group has momentum buffers): decided
+        # once per tensor, so a capturable step never reads the momentum on the host.
+        self._momentum_structure: Dict[int, Tuple[torch.Tensor, bool]] = {}
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
 
-    def _update(self, group, params, grads, models, inv_scale, found_inf) -> None:
-        buffers, steps = [], []
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_momentum_structure", {})
+
+    def _check_loaded_group(self, index: int, group: dict) -> None:
+        super()._check_loaded_group(index, group)
+        if group.get("nesterov") and (_host_float(group["momentum"]) <= 0 or _host_float(group["dampening"]) != 0):
+            raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening")
+
+    def _has_momentum(self, group: dict) -> bool:
         momentum = group["momentum"]
+        if not isinstance(momentum, torch.Tensor):
+            return momentum != 0
+        known = self._momentum_structure.get(id(momentum))
+        if known is None or known[0] is not momentum:
+            known = self._momentum_structure[id(momentum)] = (momentum, bool(momentum != 0))
+        return known[1]
+
+    def _hyper(self, group: dict, device: torch.device) -> Optional[torch.Tensor]:
+        momentum = group["momentum"]
+        if group.get("capturable", False) and not isinstance(momentum, torch.Tensor):
+            has_momentum = momentum != 0
+            hyper = super()._hyper(group, device)
+            self._momentum_structure[id(group["momentum"])] = (group["momentum"], has_momentum)
+            return hyper
+        return super()._hyper(group, device)
+
+    def _saved_param_state(self, param_state: dict) -> dict:
+        """A buffer that was never applied is saved as ``None`` (torch's "no buffer yet");
+        reads its device flag."""
+        flag = param_state.pop(_NEW_BUFFER, None)
+        if flag is not None and bool(flag.item()):
+            param_state["momentum_buffer"] = None
+        return param_state
+
+    def _buffers(self, params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Each param's momentum buffer (param dtype) and new-buffer flag, made where missing."""
+        buffers, flags = [], []
         for param in params:
-            steps.append(self._step_tensor(param))
-            if momentum != 0:
-                state = self.state[param]
-                if state.get("momentum_buffer") is None:
-                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                buffers.append(state["momentum_buffer"])
-        ops.fused_sgd_(params, grads, buffers, steps, models, lr=group["lr"], momentum=momentum,
-                       dampening=group["dampening"], weight_decay=group["weight_decay"],
-                       nesterov=group["nesterov"], inv_scale=inv_scale, found_inf=found_inf)
+            state = self.state[param]
+            is_new = state.get("momentum_buffer") is None
+            buffers.append(self._state_tensor(param, "momentum_buffer"))
+            flag = state.get(_NEW_BUFFER)
+            if is_new or flag is None or flag.device != param.device:
+                # torch's rule: no buffer yet (or None, as torch saves it) -> the gradient; a
+                # buffer without a flag was loaded, so it was applied.
+                flag = state[_NEW_BUFFER] = torch.full((1,), float(is_new), device=param.device)
+            flags.append(flag)
+        return buffers, flags
+
+    def _update(self, group, params, grads, models, inv_scale, found_inf) -> None:
+        steps = [self._step_tensor(param) for param in params]
+        hyper = self._hyper(group, params[0].device)
+        has_momentum = self._has_momentum(group)
+        buffers, flags = self._buffers(params) if has_momentum else ([], [])
+        if hyper is None:
+            lr, momentum, dampening, weight_decay = (_host_float(group[key]) for key in self._HYPER_KEYS)
+        else:  # read from `hyper` on the device; the floats are placeholders
+            lr, momentum, dampening, weight_decay = 0.0, float(has_momentum), 0.0, 0.0
+        ops.fused_sgd_(params, grads, buffers, steps, models, lr=lr, momentum=momentum, dampening=dampening,
+                       weight_decay=weight_decay, nesterov=group["nesterov"], inv_scale=inv_scale,
+                       found_inf=found_inf, new_buffer_flags=flags, hyper=hyper)

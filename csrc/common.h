@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -16,7 +17,8 @@ inline bool is_supported_float(c10::ScalarType type) {
 inline void check_flag(const char* op, const char* name, const at::Tensor& flag, const at::Device& device) {
   TORCH_CHECK(flag.numel() == 1 && flag.scalar_type() == at::kFloat && flag.device() == device,
               "ampinit.", op, ": ", name, " must be a 1-element float32 tensor on ", device,
-              "; got ", flag.numel(), " element(s) of ", flag.scalar_type(), " on ", flag.device());
+              "; got ", flag.numel(), " element(s) of ", flag.scalar_type(), " on ", flag.device(),
+              " (keep inv_scale, found_inf and step counters on the device of the tensors they belong to)");
 }
 
 inline void check_same_length(const char* op, const char* name_a, size_t a, const char* name_b, size_t b) {
@@ -26,8 +28,7 @@ inline void check_same_length(const char* op, const char* name_a, size_t a, cons
 
 // Every tensor of one row (the i-th entries of each list): same device and numel, a float dtype
 // the kernels handle.
-inline void check_row(const char* op, size_t index, const std::vector<at::Tensor>& row,
-                      const at::Device& device) {
+inline void check_row(const char* op, size_t index, at::TensorList row, const at::Device& device) {
   for (const auto& tensor : row) {
     TORCH_CHECK(tensor.defined(), "ampinit.", op, ": tensor ", index, " is undefined");
     TORCH_CHECK(tensor.device() == device, "ampinit.", op, ": tensor ", index, " is on ", tensor.device(),
@@ -76,8 +77,9 @@ class DenseRows {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
 
-// Checks shared by the optimizers: FP32 params and state; grads any float type; model copies
-// 16-bit; step counters 1-element float32.
+// Checks shared by the optimizers: params float32/float16/bfloat16 with optimizer state of the
+// param's dtype; grads any of the three; model copies (float32 params only) 16-bit; step
+// counters 1-element float32.
 inline void check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
                                   const std::vector<at::TensorList>& states, at::TensorList steps,
                                   at::TensorList models, const at::Device& device) {
@@ -91,18 +93,37 @@ inline void check_optimizer_lists(const char* op, at::TensorList params, at::Ten
     for (const auto& state : states) row.push_back(state[i]);
     if (!models.empty()) row.push_back(models[i]);
     check_row(op, i, row, device);
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat, "ampinit.", op, ": param ", i, " is ",
-                params[i].scalar_type(), "; the fused optimizers update float32 params (keep low-precision "
-                "models behind ampinit.initialize's FP32 master weights)");
     for (const auto& state : states) {
-      TORCH_CHECK(state[i].scalar_type() == at::kFloat, "ampinit.", op, ": optimizer state ", i, " must be float32");
+      TORCH_CHECK(state[i].scalar_type() == params[i].scalar_type(), "ampinit.", op, ": optimizer state ", i,
+                  " is ", state[i].scalar_type(), "; it must have its param's dtype, ", params[i].scalar_type());
     }
     if (!models.empty()) {
+      TORCH_CHECK(params[i].scalar_type() == at::kFloat, "ampinit.", op, ": param ", i, " is ",
+                  params[i].scalar_type(), "; model copies are for float32 (master) params: update a 16-bit "
+                  "param directly, with empty model_params");
       TORCH_CHECK(models[i].scalar_type() != at::kFloat && !models[i].is_same(params[i]), "ampinit.", op,
                   ": model_params[", i, "] must be a float16/bfloat16 tensor distinct from the param");
     }
     check_flag(op, "steps[i]", steps[i], device);
   }
+}
+
+// The device-resident hyper-parameters of a capturable optimizer step: a contiguous float64
+// tensor of `count` values on the params' device.
+inline void check_hyper(const char* op, const std::optional<at::Tensor>& hyper, int64_t count, const char* layout,
+                        const at::Device& device) {
+  if (!hyper.has_value()) return;
+  TORCH_CHECK(hyper->scalar_type() == at::kDouble && hyper->numel() == count && hyper->is_contiguous() &&
+                  hyper->device() == device,
+              "ampinit.", op, ": hyper must be a contiguous float64 tensor of ", count, " values ", layout, " on ",
+              device, "; got ", hyper->numel(), " value(s) of ", hyper->scalar_type(), " on ", hyper->device());
+}
+
+// SGD's new-buffer flags: empty without momentum buffers, else one 1-element float32 tensor per
+// param.
+inline void check_new_buffer_flags(const char* op, at::TensorList flags, size_t buffers, const at::Device& device) {
+  check_same_length(op, "momentum_buffers", buffers, "new_buffer_flags", flags.size());
+  for (const auto& flag : flags) check_flag(op, "new_buffer_flags[i]", flag, device);
 }
 
 }  // namespace ampinit

@@ -115,10 +115,28 @@ def test_update_scale_kernel_equals_fallback(device):
                                              [torch.ones(3, device=d)], [torch.zeros(3, device=d)],
                                              [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [],
                                              1e-3, 0.9, 0.999, 1e-8, 0.0, False, True,
-                                             torch.ones(1, device=d), torch.zeros(1, device=d)), "float32 params"),
+                                             torch.ones(1, device=d), torch.zeros(1, device=d)),
+     "optimizer state 0 is Float; it must have its param's dtype, Half"),
+    (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d, dtype=torch.float16)],
+                                             [torch.ones(3, device=d)], [torch.zeros(3, device=d, dtype=torch.half)],
+                                             [torch.zeros(3, device=d, dtype=torch.half)],
+                                             [torch.zeros((), device=d)], [torch.zeros(3, device=d, dtype=torch.half)],
+                                             1e-3, 0.9, 0.999, 1e-8, 0.0, False, True,
+                                             torch.ones(1, device=d), torch.zeros(1, device=d)),
+     "model copies are for float32"),
+    (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
+                                             [torch.zeros(3, device=d)], [torch.zeros(3, device=d)],
+                                             [torch.zeros((), device=d)], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, False,
+                                             True, torch.ones(1, device=d), torch.zeros(1, device=d),
+                                             torch.zeros(5, device=d)), "hyper must be a contiguous float64"),
     (lambda d: torch.ops.ampinit.fused_sgd_([torch.ones(3, device=d)], [torch.ones(3, device=d)], [],
                                             [torch.zeros((), device=d)], [], 0.1, 0.9, 0.0, 0.0, False,
-                                            torch.ones(1, device=d), torch.zeros(1, device=d)), "momentum buffer"),
+                                            torch.ones(1, device=d), torch.zeros(1, device=d), []),
+     "momentum buffer"),
+    (lambda d: torch.ops.ampinit.fused_sgd_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
+                                            [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [], 0.1, 0.9,
+                                            0.0, 0.0, False, torch.ones(1, device=d), torch.zeros(1, device=d), []),
+     "new_buffer_flags must have the same length"),
 ])
 def test_bad_arguments_raise_clear_errors(call, message, device):
     _kernels_for(device)
@@ -169,3 +187,124 @@ def test_cpu_tensor_over_2_31_elements():
     found = torch.zeros(1)
     torch.ops.ampinit.check_finite_([x], found)
     assert found.item() == 1.0
+
+
+# -- fused optimizers: kernels against the fallback --------------------------------------------
+
+def _optimizer_rows(device, seed, param_dtypes, grad_dtypes, sizes=(1, 7, 33, 4097, 65536 + 5)):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(sizes):
+        pd, gd = param_dtypes[i % len(param_dtypes)], grad_dtypes[i % len(grad_dtypes)]
+        rows.append(dict(param=torch.randn(n, generator=g).to(pd).to(device),
+                         grad=(torch.randn(n, generator=g) * 64).to(gd).to(device),
+                         a=(torch.randn(n, generator=g) * 0.1).to(pd).to(device),
+                         b=torch.rand(n, generator=g).to(pd).to(device)))
+    return rows
+
+
+def _clone_rows(rows):
+    return [{k: v.clone() for k, v in row.items()} for row in rows]
+
+
+def _assert_close_16bit(actual, expected):
+    """float32 everywhere, so the two paths differ by FMA contraction and operation order only:
+    one ulp of a 16-bit dtype, a few float32 ulps otherwise."""
+    rtol = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("param_dtypes, grad_dtypes, with_model", [
+    ([torch.float32], [torch.float16, torch.bfloat16, torch.float32], True),
+    ([torch.float16, torch.bfloat16, torch.float32], [torch.float32, torch.float16], False),
+    ([torch.bfloat16], [torch.bfloat16], False),
+])
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("found", [0.0, 1.0])
+def test_fused_adam_kernel_equals_fallback(param_dtypes, grad_dtypes, with_model, capturable, found, device):
+    _kernels_for(device)
+    hyper = dict(lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1)
+    results = []
+    for impl in ("kernel", "fallback"):
+        rows = _clone_rows(_optimizer_rows(device, 11, param_dtypes, grad_dtypes))
+        steps = [torch.full((), 3.0, device=device) for _ in rows]
+        models = [torch.empty(r["param"].shape, dtype=torch.float16, device=device) for r in rows] if with_model else []
+        vector = torch.tensor([hyper[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")],
+                              dtype=torch.float64, device=device) if capturable else None
+        args = ([r["param"] for r in rows], [r["grad"] for r in rows], [r["a"] for r in rows],
+                [r["b"] for r in rows], steps, models)
+        flags = (torch.full((1,), 1 / 64.0, device=device), torch.full((1,), found, device=device))
+        if impl == "kernel":
+            torch.ops.ampinit.fused_adam_(*args, *(0.0 if capturable else v for v in hyper.values()), False, True,
+                                          *flags, vector)
+        else:
+            _fallback.fused_adam_(*args, **hyper, decoupled_weight_decay=False, bias_correction=True,
+                                  inv_scale=flags[0], found_inf=flags[1], hyper=vector)
+        results.append((rows, steps, models))
+    (rows_k, steps_k, models_k), (rows_f, steps_f, models_f) = results
+    before = _optimizer_rows(device, 11, param_dtypes, grad_dtypes)
+    for rk, rf, r0 in zip(rows_k, rows_f, before):
+        for key in ("param", "a", "b"):
+            assert rk[key].dtype == r0[key].dtype
+            if found:
+                assert torch.equal(rk[key], r0[key]) and torch.equal(rf[key], r0[key])
+            else:
+                _assert_close_16bit(rk[key], rf[key])
+                assert not torch.equal(rk[key], r0[key])
+    assert [float(s) for s in steps_k] == [float(s) for s in steps_f] == [3.0 + (not found)] * len(rows)
+    for mk, rk in zip(models_k, rows_k):
+        if not found:
+            assert torch.equal(mk, rk["param"].half())
+
+
+@pytest.mark.parametrize("param_dtypes", [[torch.float32], [torch.float16, torch.bfloat16, torch.float32]])
+@pytest.mark.parametrize("nesterov, dampening", [(False, 0.3), (True, 0.0)])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_fused_sgd_kernel_equals_fallback_and_new_buffer_rule(param_dtypes, nesterov, dampening, capturable,
+                                                              device):
+    """Rows 0 and 3 have new buffers (their contents are garbage and must not matter); the others
+    are updated.  A skipped call leaves the new-buffer flags; an applied one clears them."""
+    _kernels_for(device)
+    hyper = dict(lr=0.05, momentum=0.9, dampening=dampening, weight_decay=1e-2)
+    outs = []
+    for impl in ("kernel", "fallback"):
+        rows = _clone_rows(_optimizer_rows(device, 12, param_dtypes, [torch.float16, torch.float32]))
+        flags = [torch.full((1,), float(i in (0, 3)), device=device) for i in range(len(rows))]
+        for i in (0, 3):
+            rows[i]["a"].fill_(float("nan"))
+        steps = [torch.zeros((), device=device) for _ in rows]
+        vector = torch.tensor(list(hyper.values()), dtype=torch.float64, device=device) if capturable else None
+        for found in (1.0, 0.0):
+            args = ([r["param"] for r in rows], [r["grad"] for r in rows], [r["a"] for r in rows], steps, [])
+            scalars = (torch.full((1,), 1 / 64.0, device=device), torch.full((1,), found, device=device))
+            if impl == "kernel":
+                torch.ops.ampinit.fused_sgd_(*args, *hyper.values(), nesterov, *scalars, flags, vector)
+            else:
+                _fallback.fused_sgd_(*args, **hyper, nesterov=nesterov, inv_scale=scalars[0], found_inf=scalars[1],
+                                     new_buffer_flags=flags, hyper=vector)
+            if found:
+                assert [f.item() for f in flags] == [float(i in (0, 3)) for i in range(len(rows))]
+                assert all(s.item() == 0 for s in steps)
+        assert all(f.item() == 0 for f in flags) and all(s.item() == 1 for s in steps)
+        outs.append(rows)
+    before = _optimizer_rows(device, 12, param_dtypes, [torch.float16, torch.float32])
+    for i, (rk, rf, r0) in enumerate(zip(*outs, before)):
+        for key in ("param", "a"):
+            assert torch.isfinite(rk[key]).all()
+            _assert_close_16bit(rk[key], rf[key])
+        grad = r0["grad"].float() / 64 + 1e-2 * r0["param"].float()
+        if i in (0, 3):  # torch's rule: the new buffer is the gradient
+            _assert_close_16bit(rk["a"], grad.to(rk["a"].dtype))
+
+
+def test_tensor_kinds_routes_in_one_pass():
+    """The facade's one C pass over the tensors: what the kernels take, and where complex is."""
+    kinds = _ext.EXTENSION.tensor_kinds
+    dense = [torch.zeros(2), torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16).t()]
+    assert kinds(dense, (torch.zeros(3),)) == 1
+    assert kinds([], []) == 1
+    assert kinds(dense, [torch.zeros(2, dtype=torch.float64)]) == 0
+    assert kinds(dense, [torch.zeros(2, dtype=torch.complex64)]) == 2
+    assert kinds([torch.zeros(2).to_sparse()]) == 0
+    with pytest.raises(TypeError, match="expected tensors"):
+        kinds([torch.zeros(2), 3.0])

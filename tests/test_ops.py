@@ -217,3 +217,191 @@ def test_copy_noncontiguous_and_channels_last(device):
     strided_model = torch.empty(9, 5, device=device, dtype=torch.bfloat16)
     ops.copy_([model, strided_model], [master, strided_master])
     assert torch.equal(model, master.half()) and torch.equal(strided_model, strided_master.bfloat16())
+
+
+# -- what is flagged is what is written ---------------------------------------------------------
+
+@pytest.mark.parametrize("out_dtype, fits, overflows", [
+    (torch.float16, 65519.0, 65520.0),                  # 65520 rounds (ties to even) to 65536 = inf
+    (torch.bfloat16, 3.3961773e38, 3.3961776e38),       # half an ulp above the largest bfloat16
+])
+def test_unscale_into_a_narrower_dtype_flags_values_that_overflow_it(out_dtype, fits, overflows, device):
+    """A finite float32 value whose product overflows the output dtype is written as inf: the
+    op must flag it (the tensor is not the only one, and the flag is per tensor)."""
+    inputs = [torch.tensor([1.0, fits], device=device), torch.tensor([overflows, 2.0], device=device),
+              torch.tensor([1e5, -3.0], device=device)]
+    outputs = [torch.empty(2, dtype=out_dtype, device=device) for _ in inputs]
+    found_inf, per = torch.zeros(1, device=device), torch.zeros(2, device=device)
+    one = torch.ones(1, device=device)
+    ops.unscale_(inputs[:2], outputs[:2], one, found_inf, per)
+    assert found_inf.item() == 1.0 and per.tolist() == [0.0, 1.0]
+    assert torch.isfinite(outputs[0]).all() and outputs[1][0].item() == float("inf")
+    # 1e5 overflows float16 before the scaling, not after: not flagged, and rounded once
+    found_inf.zero_()
+    ops.unscale_([inputs[2]], [outputs[2]], torch.full((1,), 1 / 256.0, device=device), found_inf)
+    assert found_inf.item() == 0.0 and outputs[2][0].item() == (torch.tensor(1e5) / 256).to(out_dtype).item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_accumulate_flags_what_its_contribution_brings(out_dtype, device):
+    """A finite value pushed past the output dtype is flagged; an inf/NaN an earlier loss left
+    in the output is not flagged again (that loss's scaler backed off for it, not this one's)."""
+    big = 60000.0 if out_dtype == torch.float16 else 3e38
+    one = torch.ones(1, device=device)
+    outputs = [torch.tensor([big, 1.0], dtype=out_dtype, device=device)]
+    found_inf = torch.zeros(1, device=device)
+    ops.accumulate_unscaled_([torch.tensor([big, 1.0], device=device)], outputs, one, found_inf)
+    assert found_inf.item() == 1.0 and outputs[0][0].item() == float("inf")
+
+    found_inf.zero_()
+    left_over = [torch.tensor([float("nan"), float("inf"), 1.0], dtype=out_dtype, device=device)]
+    ops.accumulate_unscaled_([torch.tensor([1.0, 2.0, 3.0], device=device)], left_over, one, found_inf)
+    assert found_inf.item() == 0.0 and left_over[0][2].item() == 4.0
+
+    ops.accumulate_unscaled_([torch.tensor([1.0, 2.0, float("-inf")], device=device)], left_over, one, found_inf)
+    assert found_inf.item() == 1.0
+
+
+def test_unscale_with_inv_scale_above_one_flags_the_product(device):
+    """A loss scale below 1 (inv_scale 4): the product overflows float16 in place."""
+    grads = [torch.tensor([20000.0, 1.0], dtype=torch.float16, device=device)]
+    found_inf = torch.zeros(1, device=device)
+    ops.unscale_(grads, grads, torch.full((1,), 4.0, device=device), found_inf)
+    assert found_inf.item() == 1.0
+
+
+# -- complex tensors ------------------------------------------------------------------------------
+
+COMPLEX = [torch.complex64, torch.complex128]
+
+
+def _complex_grads(dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 7, 4097, 70000]
+    return [torch.complex(torch.randn(n, generator=g), torch.randn(n, generator=g)).to(dtype).to(device) * 100
+            for n in sizes]
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
+@pytest.mark.parametrize("part, value", [(None, None), ("real", float("inf")), ("imag", float("nan")),
+                                         ("imag", float("-inf")), ("real", float("nan"))])
+def test_complex_gradients(dtype, part, value, device):
+    """unscale_, accumulate_unscaled_, check_finite_ and copy_ take complex tensors (as their
+    real views): values scaled exactly like the real and imaginary parts, an inf/NaN in either
+    part flagged for the tensor holding it."""
+    grads = _complex_grads(dtype, device)
+    if part is not None:
+        getattr(grads[2], part)[123] = value
+    bad = part is not None
+    expected_flags = [0.0, 0.0, float(bad), 0.0]
+    reference = [torch.view_as_real(x).double() / 256.0 for x in grads]
+
+    found_inf, per = torch.zeros(1, device=device), torch.zeros(4, device=device)
+    inv = torch.full((1,), 1 / 256.0, device=device)
+    ops.check_finite_(grads, found_inf, per)
+    assert found_inf.item() == float(bad) and per.tolist() == expected_flags
+
+    found_inf.zero_()
+    per.zero_()
+    outputs = [torch.empty_like(x) for x in grads]
+    ops.unscale_(grads, outputs, inv, found_inf, per)
+    assert found_inf.item() == float(bad) and per.tolist() == expected_flags
+    for out, ref in zip(outputs, reference):
+        assert out.dtype == dtype
+        torch.testing.assert_close(torch.view_as_real(out).double(), ref, rtol=1e-6, atol=0, equal_nan=True)
+
+    found_inf.zero_()
+    in_place = [x.clone() for x in grads]
+    ops.unscale_(in_place, in_place, inv, found_inf)
+    assert found_inf.item() == float(bad)
+    assert all(torch.equal(torch.view_as_real(a).nan_to_num(), torch.view_as_real(b).nan_to_num())
+               for a, b in zip(in_place, outputs))
+
+    found_inf.zero_()
+    base = [torch.ones_like(x) for x in grads]
+    ops.accumulate_unscaled_(grads, base, inv, found_inf, out_weight=0.5)
+    assert found_inf.item() == float(bad)
+    for out, ref in zip(base, reference):
+        ones = torch.view_as_real(torch.ones_like(out)).double()
+        torch.testing.assert_close(torch.view_as_real(out).double(), ref + 0.5 * ones, rtol=1e-6, atol=1e-6,
+                                   equal_nan=True)
+
+    narrow = [torch.empty(x.shape, dtype=torch.complex64, device=device) for x in grads]
+    ops.copy_(narrow, grads)
+    assert all(torch.equal(torch.view_as_real(n).nan_to_num(), torch.view_as_real(x.to(torch.complex64)).nan_to_num())
+               for n, x in zip(narrow, grads))
+
+
+def test_complex_partner_must_be_complex(device):
+    with pytest.raises(ValueError, match="partner must be complex"):
+        ops.unscale_([torch.ones(2, dtype=torch.complex64, device=device)], [torch.ones(4, device=device)],
+                     torch.ones(1, device=device), torch.zeros(1, device=device))
+    conj = torch.ones(2, dtype=torch.complex64, device=device).conj()
+    with pytest.raises(ValueError, match="conjugate bit"):
+        ops.unscale_([torch.ones(2, dtype=torch.complex64, device=device)], [conj],
+                     torch.ones(1, device=device), torch.zeros(1, device=device))
+    found = torch.zeros(1, device=device)
+    ops.check_finite_([torch.tensor([complex(1, float("inf"))], device=device).conj()], found)  # read: fine
+    assert found.item() == 1.0
+
+
+class _ComplexNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.complex64))
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        z = x.to(torch.complex64) @ self.w
+        return self.fc(z.abs().to(self.fc.weight.dtype))
+
+
+@pytest.mark.parametrize("loss_scale", [128.0, "dynamic"])
+def test_complex_parameters_train_and_skip_overflows(loss_scale, device):
+    """A complex parameter at O0 with a static and a dynamic scale: every step equals plain
+    training (the scales are powers of two, so unscaling is exact), except the two steps whose
+    gradient got an inf in the imaginary and a NaN in the real part: those are skipped."""
+    import ampinit as amp
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = _ComplexNet().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if use_amp:
+            model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale=loss_scale, verbosity=0)
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 8, generator=g).to(device)
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            poison = {2: complex(0, float("inf")), 4: complex(float("nan"), 0)}.get(step)
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                    if poison is not None:
+                        model.w.grad[1, 1] = poison
+                opt.step()
+            else:
+                loss.backward()
+                if poison is None:
+                    opt.step()
+        return model, opt
+
+    amp_model, amp_opt = run(True)
+    plain_model, _ = run(False)
+    assert amp_opt.amp.skipped_steps == 2
+    assert amp_model.w.dtype == torch.complex64
+    for a, b in zip(amp_model.parameters(), plain_model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float32, 1e20), (torch.float32, 3e38), (torch.float32, 1e-25),
+                                          (torch.bfloat16, 1e30), (torch.float16, 6e4)])
+def test_l2norm_squares_in_double(dtype, value, device):
+    """|x| > ~1.8e19 overflows a float square and |x| < ~1e-23 underflows it: the norms must
+    still be the float64 reference rounded to float32 (inf only where that is)."""
+    x = torch.full((1000,), value).to(dtype).to(device)
+    total, per = ops.l2norm([x, x[:10]], per_tensor=True)
+    reference = torch.stack([x.double().norm(), x[:10].double().norm()])
+    torch.testing.assert_close(per.cpu(), reference.float().cpu(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.cpu(), reference.norm().float().reshape(1).cpu(), rtol=1e-6, atol=0)

@@ -25,31 +25,36 @@ struct AdamParams {
 struct SgdParams {
   float lr, momentum, one_minus_dampening, weight_decay;
   bool nesterov;
-  bool first_step;  // the momentum buffer starts as the gradient itself
+  bool new_buffer;  // the momentum buffer has never been applied: it becomes the gradient
   float inv_scale;
 };
 
+// Params and their optimizer state share one dtype (`param_type`); `model_type` is
+// c10::ScalarType::Undefined when there is no model copy (always, for 16-bit params).
 struct KernelTable {
   const char* name;
-  // y = x * inv_scale.  Returns true if a scaled value is inf/NaN.
+  // y = x * inv_scale.  Returns true if a value written to y is inf/NaN (a finite product
+  // that overflows y's dtype included).
   bool (*unscale)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
                   float inv_scale);
-  // y = out_weight * y + x * inv_scale.  Returns true if a new contribution is inf/NaN.
+  // y = out_weight * y + x * inv_scale.  Returns true if x * inv_scale is inf/NaN somewhere, or
+  // a finite y becomes inf/NaN (the sum overflows y's dtype).
   bool (*accumulate)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n,
                      float inv_scale, float out_weight);
   // y = x, converted with round-to-nearest-even.
   void (*copy)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n);
   // true if x holds an inf/NaN.
   bool (*check)(c10::ScalarType in, const void* x, int64_t n);
-  // Sum of squares, accumulated in double.
+  // Sum of squares, each square and the sum in double.
   double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);
-  // One Adam/AdamW update of FP32 params and state; `model` (may be null) gets the new params.
-  void (*adam)(const AdamParams& p, c10::ScalarType grad_type, c10::ScalarType model_type,
-               float* param, const void* grad, float* exp_avg, float* exp_avg_sq, void* model,
-               int64_t n);
+  // One Adam/AdamW update of params and state; `model` (may be null) gets the new params.
+  void (*adam)(const AdamParams& p, c10::ScalarType param_type, c10::ScalarType grad_type,
+               c10::ScalarType model_type, void* param, const void* grad, void* exp_avg,
+               void* exp_avg_sq, void* model, int64_t n);
   // One SGD update; `momentum_buffer` is null without momentum.
-  void (*sgd)(const SgdParams& p, c10::ScalarType grad_type, c10::ScalarType model_type,
-              float* param, const void* grad, float* momentum_buffer, void* model, int64_t n);
+  void (*sgd)(const SgdParams& p, c10::ScalarType param_type, c10::ScalarType grad_type,
+              c10::ScalarType model_type, void* param, const void* grad, void* momentum_buffer,
+              void* model, int64_t n);
 };
 
 const KernelTable& default_kernels();

@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "kernel_table.h"
@@ -71,21 +72,32 @@ inline void store_n(T* dst, int64_t count, const FloatVec& lo, const FloatVec& h
   for (int64_t k = 0; k < count; ++k) dst[k] = buffer[k];
 }
 
-// A float is inf or NaN exactly when its exponent bits are all ones.  The running maximum of
-// the masked exponents (an integer max: one cycle, no long dependency chain) equals the mask
-// at the end iff some value was non-finite.
-using IntVec = at::vec::Vectorized<int32_t>;
-constexpr int32_t kExponentMask = 0x7f800000;
-
-inline IntVec flag_nonfinite(const IntVec& flags, const FloatVec& x) {
-  return at::vec::maximum(flags, at::vec::cast<int32_t>(x) & IntVec(kExponentMask));
+// The largest magnitude that a float rounds to a finite T (round-to-nearest-even): values at
+// or beyond it become inf.  A stored value is non-finite exactly when !(|v| < boundary).
+template <typename T>
+constexpr float overflow_boundary() {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return 65520.0f;  // 65504 + half an ulp (16): the tie rounds to even, 65536 = inf
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return 0x1.ffp+127f;  // the largest bfloat16, 0x1.fep+127, + half an ulp; the tie rounds to inf
+  } else {
+    return std::numeric_limits<float>::infinity();
+  }
 }
 
-inline bool any_nonfinite(const IntVec& flags) {
-  alignas(64) int32_t values[IntVec::size()];
-  flags.store(values);
-  for (int64_t k = 0; k < IntVec::size(); ++k) {
-    if (values[k] == kExponentMask) return true;
+// The running maximum of |v| flags what a kernel writes: at::vec::maximum propagates NaN, so
+// one comparison at the end finds inf, NaN and values that overflow the output dtype.
+inline FloatVec running_max_abs(const FloatVec& max_abs, const FloatVec& v) {
+  return at::vec::maximum(max_abs, v.abs());
+}
+
+template <typename T>
+inline bool any_nonfinite(const FloatVec& lo, const FloatVec& hi) {
+  alignas(64) float lanes[kStep];
+  lo.store(lanes);
+  hi.store(lanes + FloatVec::size());
+  for (int64_t k = 0; k < kStep; ++k) {
+    if (!(lanes[k] < overflow_boundary<T>())) return true;
   }
   return false;
 }
@@ -93,34 +105,43 @@ inline bool any_nonfinite(const IntVec& flags) {
 template <typename In, typename Out>
 bool unscale(const In* x, Out* y, int64_t n, float inv_scale) {
   const FloatVec inv(inv_scale);
-  IntVec lo_flags(0), hi_flags(0);
+  FloatVec lo_max(0.0f), hi_max(0.0f);
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec lo, hi;
     load_n(x + i, count, lo, hi);
     lo = lo * inv;
     hi = hi * inv;
-    lo_flags = flag_nonfinite(lo_flags, lo);
-    hi_flags = flag_nonfinite(hi_flags, hi);
+    lo_max = running_max_abs(lo_max, lo);
+    hi_max = running_max_abs(hi_max, hi);
     store_n(y + i, count, lo, hi);
   });
-  return any_nonfinite(at::vec::maximum(lo_flags, hi_flags));
+  return any_nonfinite<Out>(lo_max, hi_max);
 }
 
+// The check is on what this call brings: a non-finite contribution, or a finite value that the
+// sum pushes past y's dtype.  A value that was already inf/NaN in y is not flagged again (it was
+// when it was written): with one loss scaler per loss, the loss that overflowed backs off, not
+// the next one to add to the same gradients.
 template <typename In, typename Out>
 bool accumulate(const In* x, Out* y, int64_t n, float inv_scale, float out_weight) {
-  const FloatVec inv(inv_scale), weight(out_weight);
-  IntVec lo_flags(0), hi_flags(0);
+  const FloatVec inv(inv_scale), weight(out_weight), zero(0.0f);
+  const FloatVec inf(std::numeric_limits<float>::infinity());
+  FloatVec contribution_max[2] = {zero, zero}, overflow_max[2] = {zero, zero};
   for_each_step(n, [&](int64_t i, int64_t count) {
-    FloatVec x_lo, x_hi, y_lo, y_hi;
-    load_n(x + i, count, x_lo, x_hi);
-    load_n(y + i, count, y_lo, y_hi);
-    x_lo = x_lo * inv;
-    x_hi = x_hi * inv;
-    lo_flags = flag_nonfinite(lo_flags, x_lo);
-    hi_flags = flag_nonfinite(hi_flags, x_hi);
-    store_n(y + i, count, y_lo * weight + x_lo, y_hi * weight + x_hi);
+    FloatVec c[2], acc[2];
+    load_n(x + i, count, c[0], c[1]);
+    load_n(y + i, count, acc[0], acc[1]);
+    for (int h = 0; h < 2; ++h) {
+      c[h] = c[h] * inv;
+      const FloatVec was_finite = acc[h].abs() < inf;
+      acc[h] = acc[h] * weight + c[h];
+      contribution_max[h] = running_max_abs(contribution_max[h], c[h]);
+      overflow_max[h] = at::vec::maximum(overflow_max[h], FloatVec::blendv(zero, acc[h].abs(), was_finite));
+    }
+    store_n(y + i, count, acc[0], acc[1]);
   });
-  return any_nonfinite(at::vec::maximum(lo_flags, hi_flags));
+  return any_nonfinite<float>(contribution_max[0], contribution_max[1]) ||
+         any_nonfinite<Out>(overflow_max[0], overflow_max[1]);
 }
 
 template <typename In, typename Out>
@@ -134,43 +155,48 @@ void copy(const In* x, Out* y, int64_t n) {
 
 template <typename In>
 bool check(const In* x, int64_t n) {
-  IntVec lo_flags(0), hi_flags(0);
+  FloatVec lo_max(0.0f), hi_max(0.0f);
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec lo, hi;
     load_n(x + i, count, lo, hi);
-    lo_flags = flag_nonfinite(lo_flags, lo);
-    hi_flags = flag_nonfinite(hi_flags, hi);
+    lo_max = running_max_abs(lo_max, lo);
+    hi_max = running_max_abs(hi_max, hi);
   });
-  return any_nonfinite(at::vec::maximum(lo_flags, hi_flags));
+  return any_nonfinite<float>(lo_max, hi_max);
 }
 
+// Each square in double: a float square overflows for |x| > ~1.8e19 and underflows for
+// |x| < ~1e-23, where the norm itself is representable.  The lanes are independent
+// accumulators (the compiler vectorizes them), summed in a fixed order at the end.
 template <typename In>
 double sum_of_squares(const In* x, int64_t n) {
-  // Float lanes, flushed into a double every kFlush elements: float speed, double accuracy.
-  constexpr int64_t kFlush = 64 * kStep;
+  alignas(64) double acc[kStep] = {};
+  for_each_step(n, [&](int64_t i, int64_t count) {
+    FloatVec lo, hi;
+    load_n(x + i, count, lo, hi);
+    alignas(64) float values[kStep];
+    lo.store(values);
+    hi.store(values + FloatVec::size());
+    for (int64_t k = 0; k < kStep; ++k) acc[k] += static_cast<double>(values[k]) * static_cast<double>(values[k]);
+  });
   double total = 0.0;
-  for (int64_t start = 0; start < n; start += kFlush) {
-    FloatVec acc_lo(0.0f), acc_hi(0.0f);
-    for_each_step(std::min(kFlush, n - start), [&](int64_t i, int64_t count) {
-      FloatVec lo, hi;
-      load_n(x + start + i, count, lo, hi);
-      acc_lo = at::vec::fmadd(lo, lo, acc_lo);
-      acc_hi = at::vec::fmadd(hi, hi, acc_hi);
-    });
-    alignas(64) float lanes[kStep];
-    acc_lo.store(lanes);
-    acc_hi.store(lanes + FloatVec::size());
-    for (int64_t k = 0; k < kStep; ++k) total += lanes[k];
-  }
+  for (int64_t k = 0; k < kStep; ++k) total += acc[k];
   return total;
 }
 
-// Adam/AdamW, written as torch.optim.Adam's single-tensor path computes it.
-template <typename Grad, typename Model>
-void adam(const AdamParams& p, float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq,
-          Model* model, int64_t n) {
+// torch's lerp: self + weight * (end - self), or end + (weight - 1) * (end - self) for weights
+// from 0.5 (exact at weight 1), each one fused multiply-add.
+inline FloatVec lerp(const FloatVec& self, const FloatVec& end, float weight) {
+  if (std::abs(weight) < 0.5f) return at::vec::fmadd(FloatVec(weight), end - self, self);
+  return at::vec::fmadd(FloatVec(weight - 1.0f), end - self, end);
+}
+
+// Adam/AdamW of params of type P (float, or 16-bit with 16-bit state), with torch.optim's
+// fused kernels' order of operations; every value is computed in float and rounded once.
+template <typename P, typename Grad, typename Model>
+void adam(const AdamParams& p, P* param, const Grad* grad, P* exp_avg, P* exp_avg_sq, Model* model, int64_t n) {
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), decay(p.decay);
-  const FloatVec one_minus_beta1(p.one_minus_beta1), beta2(p.beta2), one_minus_beta2(p.one_minus_beta2);
+  const FloatVec beta2(p.beta2), one_minus_beta2(p.one_minus_beta2);
   const FloatVec eps(p.eps), neg_step_size(-p.step_size), bc2_sqrt(p.bias_correction2_sqrt);
   const bool coupled_decay = p.weight_decay != 0.0f && !p.decoupled_weight_decay;
   const bool decoupled_decay = p.weight_decay != 0.0f && p.decoupled_weight_decay;
@@ -182,9 +208,9 @@ void adam(const AdamParams& p, float* param, const Grad* grad, float* exp_avg, f
     load_n(exp_avg_sq + i, count, v[0], v[1]);
     for (int h = 0; h < 2; ++h) {
       g[h] = g[h] * inv;
-      if (coupled_decay) g[h] = g[h] + wd * w[h];
+      if (coupled_decay) g[h] = g[h] + w[h] * wd;
       if (decoupled_decay) w[h] = w[h] * decay;
-      m[h] = m[h] + one_minus_beta1 * (g[h] - m[h]);
+      m[h] = lerp(m[h], g[h], p.one_minus_beta1);
       v[h] = v[h] * beta2 + one_minus_beta2 * g[h] * g[h];
       const FloatVec denom = v[h].sqrt() / bc2_sqrt + eps;
       w[h] = w[h] + neg_step_size * m[h] / denom;
@@ -197,23 +223,23 @@ void adam(const AdamParams& p, float* param, const Grad* grad, float* exp_avg, f
 }
 
 // SGD with momentum, dampening, nesterov and weight decay, as torch.optim.SGD computes it.
-template <typename Grad, typename Model>
-void sgd(const SgdParams& p, float* param, const Grad* grad, float* buffer, Model* model, int64_t n) {
+template <typename P, typename Grad, typename Model>
+void sgd(const SgdParams& p, P* param, const Grad* grad, P* buffer, Model* model, int64_t n) {
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), momentum(p.momentum);
   const FloatVec one_minus_dampening(p.one_minus_dampening), neg_lr(-p.lr);
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec g[2], w[2], b[2];
     load_n(grad + i, count, g[0], g[1]);
     load_n(param + i, count, w[0], w[1]);
-    if (buffer != nullptr && !p.first_step) load_n(buffer + i, count, b[0], b[1]);
+    if (buffer != nullptr && !p.new_buffer) load_n(buffer + i, count, b[0], b[1]);
     for (int h = 0; h < 2; ++h) {
       g[h] = g[h] * inv;
-      if (p.weight_decay != 0.0f) g[h] = g[h] + wd * w[h];
+      if (p.weight_decay != 0.0f) g[h] = at::vec::fmadd(w[h], wd, g[h]);
       if (buffer != nullptr) {
-        b[h] = p.first_step ? g[h] : b[h] * momentum + one_minus_dampening * g[h];
-        g[h] = p.nesterov ? g[h] + momentum * b[h] : b[h];
+        b[h] = p.new_buffer ? g[h] : at::vec::fmadd(one_minus_dampening, g[h], b[h] * momentum);
+        g[h] = p.nesterov ? at::vec::fmadd(b[h], momentum, g[h]) : b[h];
       }
-      w[h] = w[h] + neg_lr * g[h];
+      w[h] = at::vec::fmadd(g[h], neg_lr, w[h]);
     }
     store_n(param + i, count, w[0], w[1]);
     if (buffer != nullptr) store_n(buffer + i, count, b[0], b[1]);
@@ -237,6 +263,23 @@ template <typename Fn>
 inline auto with_model_type(c10::ScalarType type, const Fn& fn) {
   if (type == c10::ScalarType::Undefined) return fn(static_cast<void*>(nullptr));
   return with_type(type, [&](auto tag) { return fn(static_cast<decltype(tag)*>(nullptr)); });
+}
+
+// The optimizers' type combinations: float params with any grad and an optional 16-bit model
+// copy; 16-bit params (with 16-bit state) with any grad and no model copy.  fn gets
+// (P* tag, G tag, M* tag), M = void for no model.
+template <typename Fn>
+inline void with_optimizer_types(c10::ScalarType param_type, c10::ScalarType grad_type,
+                                 c10::ScalarType model_type, const Fn& fn) {
+  with_type(grad_type, [&](auto grad_tag) {
+    if (param_type == c10::ScalarType::Float) {
+      with_model_type(model_type, [&](auto* model_tag) { fn(static_cast<float*>(nullptr), grad_tag, model_tag); });
+    } else {
+      with_type(param_type, [&](auto param_tag) {
+        fn(static_cast<decltype(param_tag)*>(nullptr), grad_tag, static_cast<void*>(nullptr));
+      });
+    }
+  });
 }
 
 inline const KernelTable& table(const char* name) {
@@ -278,24 +321,24 @@ inline const KernelTable& table(const char* name) {
           return sum_of_squares(static_cast<const decltype(i)*>(x), n);
         });
       },
-      [](const AdamParams& p, c10::ScalarType grad_type, c10::ScalarType model_type, float* param,
-         const void* grad, float* exp_avg, float* exp_avg_sq, void* model, int64_t n) {
-        with_type(grad_type, [&](auto g) {
-          with_model_type(model_type, [&](auto* model_tag) {
-            using G = decltype(g);
-            using M = std::remove_pointer_t<decltype(model_tag)>;
-            adam(p, param, static_cast<const G*>(grad), exp_avg, exp_avg_sq, static_cast<M*>(model), n);
-          });
+      [](const AdamParams& p, c10::ScalarType param_type, c10::ScalarType grad_type, c10::ScalarType model_type,
+         void* param, const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n) {
+        with_optimizer_types(param_type, grad_type, model_type, [&](auto* param_tag, auto grad_tag, auto* model_tag) {
+          using P = std::remove_pointer_t<decltype(param_tag)>;
+          using G = decltype(grad_tag);
+          using M = std::remove_pointer_t<decltype(model_tag)>;
+          adam(p, static_cast<P*>(param), static_cast<const G*>(grad), static_cast<P*>(exp_avg),
+               static_cast<P*>(exp_avg_sq), static_cast<M*>(model), n);
         });
       },
-      [](const SgdParams& p, c10::ScalarType grad_type, c10::ScalarType model_type, float* param,
-         const void* grad, float* buffer, void* model, int64_t n) {
-        with_type(grad_type, [&](auto g) {
-          with_model_type(model_type, [&](auto* model_tag) {
-            using G = decltype(g);
-            using M = std::remove_pointer_t<decltype(model_tag)>;
-            sgd(p, param, static_cast<const G*>(grad), buffer, static_cast<M*>(model), n);
-          });
+      [](const SgdParams& p, c10::ScalarType param_type, c10::ScalarType grad_type, c10::ScalarType model_type,
+         void* param, const void* grad, void* buffer, void* model, int64_t n) {
+        with_optimizer_types(param_type, grad_type, model_type, [&](auto* param_tag, auto grad_tag, auto* model_tag) {
+          using P = std::remove_pointer_t<decltype(param_tag)>;
+          using G = decltype(grad_tag);
+          using M = std::remove_pointer_t<decltype(model_tag)>;
+          sgd(p, static_cast<P*>(param), static_cast<const G*>(grad), static_cast<P*>(buffer),
+              static_cast<M*>(model), n);
         });
       },
   };

@@ -212,14 +212,33 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
   }
 }
 
+// The hyper-parameters of a call: the float arguments, or (capturable optimizers) the values
+// in `hyper`, which on the CPU is host memory.
+std::vector<double> hyper_values(const std::optional<at::Tensor>& hyper, std::vector<double> arguments) {
+  if (!hyper.has_value()) return arguments;
+  const double* values = hyper->data_ptr<double>();
+  return std::vector<double>(values, values + hyper->numel());
+}
+
+at::ScalarType type_or_undefined(const std::vector<at::Tensor>* list, size_t t) {
+  return list == nullptr ? at::ScalarType::Undefined : (*list)[t].scalar_type();
+}
+
+void* address_or_null(const std::vector<at::Tensor>* list, size_t t, int64_t offset) {
+  return list == nullptr ? nullptr : at_offset((*list)[t], offset);
+}
+
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                 at::TensorList steps, at::TensorList models, double lr, double beta1, double beta2, double eps,
-                 double weight_decay, bool decoupled_weight_decay, bool bias_correction,
-                 const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+                 at::TensorList steps, at::TensorList models, double lr_arg, double beta1_arg, double beta2_arg,
+                 double eps_arg, double weight_decay_arg, bool decoupled_weight_decay, bool bias_correction,
+                 const at::Tensor& inv_scale, const at::Tensor& found_inf, const std::optional<at::Tensor>& hyper) {
   check_flag("fused_adam_", "inv_scale", inv_scale, at::kCPU);
   check_flag("fused_adam_", "found_inf", found_inf, at::kCPU);
+  check_hyper("fused_adam_", hyper, 5, "[lr, beta1, beta2, eps, weight_decay]", at::kCPU);
   check_optimizer_lists("fused_adam_", params, grads, {exp_avgs, exp_avg_sqs}, steps, models, at::kCPU);
   if (found_inf.data_ptr<float>()[0] != 0.0f) return;  // the skipped step leaves everything as it was
+  const auto h = hyper_values(hyper, {lr_arg, beta1_arg, beta2_arg, eps_arg, weight_decay_arg});
+  const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], weight_decay = h[4];
   std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec()};
   std::vector<bool> written = {true, false, true, true};
   if (!models.empty()) {
@@ -245,29 +264,36 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   const auto& g = rows.list(1);
   const auto& m = rows.list(2);
   const auto& v = rows.list(3);
+  const std::vector<at::Tensor>* model = models.empty() ? nullptr : &rows.list(4);
   for_each_chunk(p, [&](const Chunk& c) {
     const size_t t = c.tensor;
-    const bool copy = !models.empty();
-    k.adam(per_tensor[t], g[t].scalar_type(), copy ? rows.list(4)[t].scalar_type() : at::ScalarType::Undefined,
-           at_offset<float>(p[t], c.begin), at_offset(g[t], c.begin), at_offset<float>(m[t], c.begin),
-           at_offset<float>(v[t], c.begin), copy ? at_offset(rows.list(4)[t], c.begin) : nullptr, c.size);
+    k.adam(per_tensor[t], p[t].scalar_type(), g[t].scalar_type(), type_or_undefined(model, t),
+           at_offset(p[t], c.begin), at_offset(g[t], c.begin), at_offset(m[t], c.begin), at_offset(v[t], c.begin),
+           address_or_null(model, t, c.begin), c.size);
     return false;
   });
   rows.finish();
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, at::TensorList steps,
-                at::TensorList models, double lr, double momentum, double dampening, double weight_decay,
-                bool nesterov, const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+                at::TensorList models, double lr_arg, double momentum_arg, double dampening_arg,
+                double weight_decay_arg, bool nesterov, const at::Tensor& inv_scale, const at::Tensor& found_inf,
+                at::TensorList new_buffer_flags, const std::optional<at::Tensor>& hyper) {
   check_flag("fused_sgd_", "inv_scale", inv_scale, at::kCPU);
   check_flag("fused_sgd_", "found_inf", found_inf, at::kCPU);
+  check_hyper("fused_sgd_", hyper, 4, "[lr, momentum, dampening, weight_decay]", at::kCPU);
   const bool has_momentum = !momentum_buffers.empty();
-  TORCH_CHECK(has_momentum == (momentum != 0.0), "ampinit.fused_sgd_: pass one momentum buffer per param exactly "
-              "when momentum is nonzero");
+  // With `hyper` the momentum may change between steps (a scheduler cycling it); the buffers
+  // decide the structure then.
+  TORCH_CHECK(hyper.has_value() || has_momentum == (momentum_arg != 0.0) || params.empty(),
+              "ampinit.fused_sgd_: pass one momentum buffer per param exactly when momentum is nonzero");
   std::vector<at::TensorList> states;
   if (has_momentum) states.push_back(momentum_buffers);
   check_optimizer_lists("fused_sgd_", params, grads, states, steps, models, at::kCPU);
+  check_new_buffer_flags("fused_sgd_", new_buffer_flags, momentum_buffers.size(), at::kCPU);
   if (found_inf.data_ptr<float>()[0] != 0.0f) return;
+  const auto h = hyper_values(hyper, {lr_arg, momentum_arg, dampening_arg, weight_decay_arg});
+  const double lr = h[0], momentum = h[1], dampening = h[2], weight_decay = h[3];
   std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec()};
   std::vector<bool> written = {true, false};
   if (has_momentum) {
@@ -282,24 +308,25 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   DenseRows rows(std::move(lists), std::move(written));
   std::vector<SgdParams> per_tensor(params.size());
   for (size_t t = 0; t < params.size(); ++t) {
-    float& step = steps[t].data_ptr<float>()[0];
-    step += 1.0f;
+    steps[t].data_ptr<float>()[0] += 1.0f;
+    const bool new_buffer = has_momentum && new_buffer_flags[t].data_ptr<float>()[0] != 0.0f;
     per_tensor[t] = {static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
-                     static_cast<float>(weight_decay), nesterov, step == 1.0f, inv_scale.data_ptr<float>()[0]};
+                     static_cast<float>(weight_decay), nesterov, new_buffer, inv_scale.data_ptr<float>()[0]};
   }
   const auto& k = kernels();
   const auto& p = rows.list(0);
   const auto& g = rows.list(1);
+  const std::vector<at::Tensor>* buffers = has_momentum ? &rows.list(2) : nullptr;
+  const std::vector<at::Tensor>* model = models.empty() ? nullptr : &rows.list(model_list);
   for_each_chunk(p, [&](const Chunk& c) {
     const size_t t = c.tensor;
-    const bool copy = !models.empty();
-    k.sgd(per_tensor[t], g[t].scalar_type(),
-          copy ? rows.list(model_list)[t].scalar_type() : at::ScalarType::Undefined, at_offset<float>(p[t], c.begin),
-          at_offset(g[t], c.begin), has_momentum ? at_offset<float>(rows.list(2)[t], c.begin) : nullptr,
-          copy ? at_offset(rows.list(model_list)[t], c.begin) : nullptr, c.size);
+    k.sgd(per_tensor[t], p[t].scalar_type(), g[t].scalar_type(), type_or_undefined(model, t),
+          at_offset(p[t], c.begin), at_offset(g[t], c.begin), address_or_null(buffers, t, c.begin),
+          address_or_null(model, t, c.begin), c.size);
     return false;
   });
   rows.finish();
+  for (const auto& flag : new_buffer_flags) flag.data_ptr<float>()[0] = 0.0f;  // applied: no longer new
 }
 
 }  // namespace
