@@ -83,8 +83,21 @@ def _compile_in_parallel(compiler, compile_one):
         _JOBS[:] = [(compile_one, (obj, build[obj][0], build[obj][1], cc_args, extra_postargs, pp_opts))
                     for obj in objects if obj in build]
         if jobs > 1 and len(_JOBS) > 1 and sys.platform.startswith("linux"):
-            with multiprocessing.get_context("fork").Pool(min(jobs, len(_JOBS))) as pool:
-                pool.map(_run_job, range(len(_JOBS)), chunksize=1)
+            # Forked processes, not a Pool: a Pool pickles its function by name, and pip's build
+            # backend runs this file under a __main__ that the name does not resolve in.
+            context = multiprocessing.get_context("fork")
+            pending, running, failed = list(range(len(_JOBS))), [], []
+            while pending or running:
+                while pending and len(running) < jobs:
+                    worker = context.Process(target=_run_job, args=(pending.pop(0),))
+                    worker.start()
+                    running.append(worker)
+                running[0].join()
+                done = running.pop(0)
+                if done.exitcode != 0:
+                    failed.append(done.exitcode)
+            if failed:
+                raise RuntimeError(f"{len(failed)} source file(s) failed to compile (see the compiler output above)")
         else:
             for index in range(len(_JOBS)):
                 _run_job(index)

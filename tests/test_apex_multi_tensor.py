@@ -199,11 +199,7 @@ def test_multi_tensor_scale_edges(device):
         assert flag.item() == 1
 
 
-def test_multi_tensor_scale_narrowing_rounds_once(device, request):
-    if not _on_kernels(device):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="ampinit.ops' fallback unscale_ casts a float32 input to the float16 output before "
-                                "scaling: two roundings, and 1e5 * 0.25 overflows to inf and is flagged"))
+def test_multi_tensor_scale_narrowing_rounds_once(device):
     # apex (and ampinit's kernels): out = fp16(fp32(in) * scale), rounded once.
     flag = _flag(device)
     x = torch.randn(4097, generator=torch.Generator().manual_seed(3)).to(device)
@@ -280,12 +276,8 @@ def test_multi_tensor_axpby_arg_to_check(device, layout, planted_in):
 
 
 @pytest.mark.parametrize("layout", ["apart", "apart_fp32", "out_is_y", "out_is_x"])
-def test_multi_tensor_axpby_values(device, layout, request):
+def test_multi_tensor_axpby_values(device, layout):
     # Random values: out = a * x + b * y computed in float32, cast to out's dtype, in every layout.
-    if layout == "out_is_y" and not _on_kernels(device):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="ampinit.ops' fallback accumulate_unscaled_ rounds a * x and b * y to the float16 "
-                                "output's precision separately before adding them"))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5000, generator=g).to(device)
     y = torch.randn(5000, generator=g).to(device, FP16)

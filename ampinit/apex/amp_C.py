@@ -26,7 +26,7 @@ tensors, and the loss-scale update is ``torch.where`` on the device.
   in float32) where apex checked the inputs: a non-finite input always makes a non-finite
   product (``inf * 0`` is NaN), so every case apex flags is flagged, and in addition a finite
   input whose product overflows float32 (apex wrote that inf without flagging it).  The torch
-  fallback checks the input after its cast to the output dtype.  When ``out`` is ``y`` (or
+  fallback checks the same values.  When ``out`` is ``y`` (or
   ``x``), the operand that is overwritten is checked as it is, like apex.
 - ``multi_tensor_unscale_l2norm`` computes ``|inv_scale| * ||x||`` (and the same per tensor)
   rather than summing the squares of ``x * inv_scale``: equal for the power-of-two scales amp
