@@ -176,13 +176,14 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
 
     - ``found_inf`` set: ``overflow_count += 1``, ``growth_tracker = 0`` and one hysteresis
       credit is spent; once none is left the scale backs off to
-      ``max(scale * backoff_factor, min_scale)``.
-    - otherwise ``growth_tracker += 1``; when it reaches ``growth_interval`` the scale grows to
-      ``min(scale * growth_factor, max_scale)``, the tracker restarts and the hysteresis
-      credits are refilled.
+      ``max(scale * backoff_factor, min_scale)`` (and at every further consecutive overflow).
+    - otherwise the hysteresis credits are refilled and ``growth_tracker += 1``; when it reaches
+      ``growth_interval`` the scale grows to ``min(scale * growth_factor, max_scale)`` and the
+      tracker restarts.
 
     ``growth_tracker`` is apex's ``unskipped`` counter.  With ``hysteresis=1`` this is exactly
-    apex's ``LossScaler.update_scale``.
+    apex's ``LossScaler.update_scale``; with more, apex's ``update_scale_hysteresis`` kernel
+    (``hysteresis`` consecutive overflows back off), within the floor and the ceiling.
     """
     overflow = found_inf > 0
     credits = torch.where(overflow, hysteresis_tracker - 1, hysteresis_tracker)
@@ -194,8 +195,7 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     grown = torch.clamp(new_scale * growth_factor, max=max_scale)
     scale.copy_(torch.where(grow, grown, new_scale))
     growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
-    hysteresis_tracker.copy_(torch.where(grow, torch.full_like(credits, hysteresis),
-                                         torch.clamp(credits, min=0)))
+    hysteresis_tracker.copy_(torch.where(overflow, torch.clamp(credits, min=0), torch.full_like(credits, hysteresis)))
     overflow_count.add_(overflow.to(overflow_count.dtype))
 
 

@@ -33,7 +33,9 @@ class LossScaler:
         init_scale: first dynamic scale (apex: 2**16).
         growth_factor, backoff_factor: multipliers on growth and on overflow (2.0, 0.5).
         growth_interval: clean steps between growths (apex: 2000).
-        hysteresis: overflows tolerated before backing off (1: back off on every overflow).
+        hysteresis: consecutive overflows before the first back-off (1: back off on every
+            overflow); every further consecutive overflow backs off too, and a clean backward
+            starts over (apex's ``update_scale_hysteresis`` rule).
         min_loss_scale, max_loss_scale: floor and ceiling of the dynamic scale.
 
     A static scaler keeps its scale but still flags non-finite gradients, so ampinit skips

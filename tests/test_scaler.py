@@ -89,3 +89,26 @@ def test_bad_state_leaves_scaler_untouched(bad):
 def test_bad_construction(kwargs):
     with pytest.raises(ValueError):
         LossScaler(**{"loss_scale": "dynamic", **kwargs})
+
+
+def test_hysteresis_follows_apex_update_scale_hysteresis():
+    """Within the floor and ceiling, ampinit's scaler and apex's update_scale_hysteresis rule
+    (amp_C's emulation, checked bitwise against apex's rule in test_apex_multi_tensor.py) give the
+    same scale after every backward, on random overflow sequences."""
+    from ampinit.apex import amp_C
+    g = torch.Generator().manual_seed(5)
+    for hysteresis in (1, 2, 4):
+        ours = LossScaler("dynamic", init_scale=2.0 ** 20, hysteresis=hysteresis, growth_interval=5,
+                          min_loss_scale=2.0 ** -120, max_loss_scale=2.0 ** 120)
+        scale = torch.full((1,), 2.0 ** 20)
+        growth = torch.zeros(1, dtype=torch.int32)
+        credits = torch.full((1,), hysteresis, dtype=torch.int32)
+        seen = set()
+        for overflow in (torch.rand(400, generator=g) < 0.2).tolist():
+            found = torch.full((1,), float(overflow))
+            ours.found_inf.copy_(found)
+            ours.update()
+            amp_C.update_scale_hysteresis(scale, growth, credits, found, 2.0, 0.5, 5, hysteresis)
+            assert ours.loss_scale() == scale.item()
+            seen.add(scale.item())
+        assert len(seen) > 4 and 2.0 ** -120 < min(seen) and max(seen) < 2.0 ** 120  # moved both ways, in range

@@ -205,10 +205,12 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
     // float32 arithmetic, as the torch fallback computes it.
     if (credits <= 0) s = std::max(s * static_cast<float>(backoff_factor), static_cast<float>(min_scale));
     credits = std::max(credits, 0);
-  } else if (++tracker >= growth_interval) {
-    s = std::min(s * static_cast<float>(growth_factor), static_cast<float>(max_scale));
-    tracker = 0;
-    credits = static_cast<int32_t>(hysteresis);
+  } else {
+    credits = static_cast<int32_t>(hysteresis);  // a clean backward ends a run of overflows (apex)
+    if (++tracker >= growth_interval) {
+      s = std::min(s * static_cast<float>(growth_factor), static_cast<float>(max_scale));
+      tracker = 0;
+    }
   }
 }
 

@@ -231,10 +231,12 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
     const int32_t credits = *hysteresis_tracker - 1;
     if (credits <= 0) *scale = fmaxf(*scale * backoff_factor, min_scale);
     *hysteresis_tracker = credits > 0 ? credits : 0;
-  } else if (++*growth_tracker >= growth_interval) {
-    *scale = fminf(*scale * growth_factor, max_scale);
-    *growth_tracker = 0;
-    *hysteresis_tracker = hysteresis;
+  } else {
+    *hysteresis_tracker = hysteresis;  // a clean backward ends a run of overflows (apex)
+    if (++*growth_tracker >= growth_interval) {
+      *scale = fminf(*scale * growth_factor, max_scale);
+      *growth_tracker = 0;
+    }
   }
 }
 
