@@ -34,8 +34,9 @@ OPTIMIZERS = {
     "sgd": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),) * 2,
     "adam_foreach": (lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-3, foreach=True),) * 2,
     "adamw_fused": (lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3, fused=True),) * 2,
+    # torch's fused AdamW as the reference: FP32 math on fp16 parameters too (O3), as ampinit's
     "ampinit_fused": (lambda p: amp_optim.FusedAdam(p, lr=1e-2, eps=1e-3, weight_decay=1e-2),
-                      lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3, weight_decay=1e-2)),
+                      lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3, weight_decay=1e-2, fused=True)),
 }
 ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
 SCHEDULES = ["none", "before", "after"]
