@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["OptimizerBinding"]
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph: no host copy, event or
+    host read may happen then, and nothing done on the host is replayed."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class OptimizerBinding:
     """One optimizer's link to its :class:`~ampinit.AmpHandle`: gradients, skip decision and
     step counters."""
@@ -119,9 +125,9 @@ class OptimizerBinding:
         """Everything after the optimizer's update."""
         flow = self.flow
         if flow.fused:
-            if flow.unscaled_since_step:
+            if flow.unscaled_since_step and not _capturing():  # a replayed skip is never counted
                 self._unresolved.append(self._flags_on_host())
-            else:
+            elif not flow.unscaled_since_step:
                 self.skips_at_floor = 0
             # The step may have been skipped, which only the device knows: no gradient of it may
             # be added to the next one, so they are all dropped, as after a skip.
@@ -229,6 +235,8 @@ class OptimizerBinding:
     def resolve_fused_steps(self, wait: bool) -> None:
         """Count the skipped fused steps whose flags have reached the host (all of them, if
         ``wait``: a sync).  Raises like :meth:`skip_step` on persistent inf/NaN."""
+        if _capturing():
+            return
         while self._unresolved:
             step, loss_ids, models, host, event = self._unresolved[0]
             if event is not None and not event.query():
