@@ -64,3 +64,22 @@ def train_step(model, opt, step, device="cpu", poison=False):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
+
+
+def clear_grads(style, model, opt):
+    """Clear gradients the way a script would: ``opt.zero_grad()`` (to None or zeros),
+    ``model.zero_grad()`` (to None or zeros), or ``p.grad = None`` on the model's parameters."""
+    if style == "opt":
+        opt.zero_grad()
+    elif style == "opt_zeros":
+        opt.zero_grad(set_to_none=False)
+    elif style == "model":
+        model.zero_grad()
+    elif style == "model_zeros":
+        model.zero_grad(set_to_none=False)
+    else:
+        for p in model.parameters():
+            p.grad = None

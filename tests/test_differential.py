@@ -21,6 +21,7 @@ from torch import nn
 
 import ampinit as amp
 from ampinit import optim as amp_optim
+from conftest import ZERO_STYLES, clear_grads
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 CAST = {"O2": torch.float16, "O3": torch.float16, "O5": torch.bfloat16}
@@ -38,7 +39,6 @@ OPTIMIZERS = {
     "ampinit_fused": (lambda p: amp_optim.FusedAdam(p, lr=1e-2, eps=1e-3, weight_decay=1e-2),
                       lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3, weight_decay=1e-2, fused=True)),
 }
-ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
 SCHEDULES = ["none", "before", "after"]
 PATTERNS = ["plain", "two_losses", "accumulate_delayed", "accumulate", "clip", "exception", "overflow"]
 
@@ -85,7 +85,7 @@ class Ampinit:
                 raise KeyboardInterrupt
 
     def zero_grad(self, style):
-        clear(style, self.model, self.opt)
+        clear_grads(style, self.model, self.opt)
 
     def clip(self, max_norm):
         return torch.nn.utils.clip_grad_norm_(amp.master_params(self.opt), max_norm)
@@ -213,20 +213,6 @@ class Reference:
         return {"masters": [self.master_of.get(p, p).detach().float().clone() for p in self.trained],
                 "model": state, "params": [p.detach().float().clone() for p in self.model.parameters()],
                 "skipped": self.skipped, "scales": list(self.scales)}
-
-
-def clear(style, model, opt):
-    if style == "opt":
-        opt.zero_grad()
-    elif style == "opt_zeros":
-        opt.zero_grad(set_to_none=False)
-    elif style == "model":
-        model.zero_grad()
-    elif style == "model_zeros":
-        model.zero_grad(set_to_none=False)
-    else:
-        for p in model.parameters():
-            p.grad = None
 
 
 # -- the script -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ampinit as amp
+from conftest import ZERO_STYLES, clear_grads
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 MASTER_LEVELS = ["O2", "O5"]
@@ -544,23 +545,6 @@ def test_r14_clipping_the_model_parameters_is_caught(level):
 
 # -- s_model_zero_grad_o2: every way of clearing gradients, as in torch ------------------------
 
-ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
-
-
-def _clear(style, model, opt):
-    if style == "opt":
-        opt.zero_grad()
-    elif style == "opt_zeros":
-        opt.zero_grad(set_to_none=False)
-    elif style == "model":
-        model.zero_grad()
-    elif style == "model_zeros":
-        model.zero_grad(set_to_none=False)
-    else:
-        for p in model.parameters():
-            p.grad = None
-
-
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
 @pytest.mark.parametrize("style", ZERO_STYLES)
 def test_s_model_zero_grad_every_style_matches_fp32(level, style):
@@ -582,10 +566,10 @@ def test_s_model_zero_grad_every_style_matches_fp32(level, style):
 
         weights = []
         for step in range(4):
-            _clear(style, model, opt)
+            clear_grads(style, model, opt)
             if step == 1:
                 backward(100.0)  # abandoned
-                _clear(style, model, opt)
+                clear_grads(style, model, opt)
             backward(1.0 + step)
             opt.step()
             weights.append(model.weight.detach().float().clone())
