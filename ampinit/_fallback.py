@@ -167,6 +167,13 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
         torch._foreach_copy_(group_outputs, group_inputs)
 
 
+def adopt_changes_(masters: Tensors, models: Tensors) -> None:
+    """Masters take the model's values where the model no longer holds their rounding."""
+    for master, model in zip(masters, models):
+        changed = model.ne(master.to(model.dtype))
+        torch.where(changed, model, master, out=master)
+
+
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
                   hysteresis_tracker: torch.Tensor, overflow_count: torch.Tensor,
                   found_inf: torch.Tensor, *, growth_factor: float, backoff_factor: float,

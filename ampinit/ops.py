@@ -208,6 +208,21 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
         _fallback.copy_(outputs, inputs)
 
 
+def adopt_changes_(masters: Tensors, models: Tensors) -> None:
+    """``masters[i] = models[i]`` element by element wherever ``models[i]`` no longer holds
+    ``masters[i]`` rounded to its dtype: a write to the model from outside ampinit (through
+    ``.data`` included) is adopted, and every other element keeps its FP32 value.  Masters are
+    float32.  One pass reading both (the CPU kernel writes only the vectors that changed).
+    No sync."""
+    if not models:
+        return
+    kernels, models, masters = _route_pairs("adopt_changes_", models[0].device, models, masters)
+    if kernels:
+        torch.ops.ampinit.adopt_changes_(list(masters), list(models))
+    else:
+        _fallback.adopt_changes_(masters, models)
+
+
 def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm over all ``inputs`` as a 1-element float32 tensor on their device, and the
     norm of each one (empty unless ``per_tensor``).  Each square and every sum is in double, so

@@ -43,6 +43,14 @@ inline void check_row(const char* op, size_t index, at::TensorList row, const at
   }
 }
 
+// A model tensor and its FP32 master (adopt_changes_): a row, with the master in float32.
+inline void check_master_row(const char* op, size_t index, const at::Tensor& model, const at::Tensor& master,
+                             const at::Device& device) {
+  check_row(op, index, {model, master}, device);
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "ampinit.", op, ": master ", index, " is ", master.scalar_type(),
+              "; masters are float32");
+}
+
 // The tensors of one call, row by row, laid out so that element k of every tensor in a row is
 // at data_ptr() + k.  Rows whose tensors are dense with identical strides are used in place;
 // other rows run on contiguous copies, and the copies of written tensors are copied back by

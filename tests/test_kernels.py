@@ -74,6 +74,34 @@ def test_more_tensors_than_one_launch_holds(device):
     torch.testing.assert_close(total.double(), ref.norm().reshape(1), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("model_dtype", DTYPES)
+def test_adopt_changes_kernel_takes_exactly_the_changed_elements(model_dtype, device):
+    """The model's value wherever it differs from the master's rounding -- writes planted at
+    random, NaN and inf included, in the vector body and the tail -- and the master's exact
+    FP32 value everywhere else; equal to the torch fallback."""
+    _kernels_for(device)
+    g = torch.Generator().manual_seed(7)
+    masters = [torch.randn(n, generator=g).to(device) * 10 for n in SIZES]
+    models = [m.to(model_dtype) for m in masters]
+    for i, model in enumerate(models):
+        if model.numel():
+            written = torch.rand(model.shape, generator=g).to(device) < 0.01
+            written[-1] = True  # the tail
+            model[written] = (torch.randn(int(written.sum()), generator=g) * 10).to(device, model_dtype)
+            model[0] = [float("nan"), float("inf"), -2.0][i % 3]
+    expected = [torch.where(mo.ne(ma.to(model_dtype)), mo.float(), ma) for ma, mo in zip(masters, models)]
+    fallback = [m.clone() for m in masters]
+    _fallback.adopt_changes_(fallback, models)
+    torch.ops.ampinit.adopt_changes_(masters, models)
+    for got, want, ref in zip(masters, expected, fallback):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert torch.equal(ref.nan_to_num(), want.nan_to_num())
+    unchanged = [torch.randn(1000, generator=g).to(device)]
+    before = unchanged[0].clone()
+    torch.ops.ampinit.adopt_changes_(unchanged, [unchanged[0].to(model_dtype)])
+    assert torch.equal(unchanged[0], before)  # nothing written: every FP32 digit kept
+
+
 def test_update_scale_kernel_equals_fallback(device):
     _kernels_for(device)
     g = torch.Generator().manual_seed(9)
@@ -137,6 +165,8 @@ def test_update_scale_kernel_equals_fallback(device):
                                             [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [], 0.1, 0.9,
                                             0.0, 0.0, False, torch.ones(1, device=d), torch.zeros(1, device=d), []),
      "new_buffer_flags must have the same length"),
+    (lambda d: torch.ops.ampinit.adopt_changes_([torch.ones(3, device=d, dtype=torch.half)],
+                                                [torch.ones(3, device=d, dtype=torch.half)]), "masters are float32"),
 ])
 def test_bad_arguments_raise_clear_errors(call, message, device):
     _kernels_for(device)

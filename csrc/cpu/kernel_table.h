@@ -45,6 +45,8 @@ struct KernelTable {
   void (*copy)(c10::ScalarType in, c10::ScalarType out, const void* x, void* y, int64_t n);
   // true if x holds an inf/NaN.
   bool (*check)(c10::ScalarType in, const void* x, int64_t n);
+  // master = model wherever model != master rounded to model_type (a write to the model adopted).
+  void (*adopt)(c10::ScalarType model_type, const void* model, float* master, int64_t n);
   // Sum of squares, each square and the sum in double.
   double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);
   // One Adam/AdamW update of params and state; `model` (may be null) gets the new params.

@@ -153,6 +153,29 @@ void copy(const In* x, Out* y, int64_t n) {
   });
 }
 
+// master = model wherever model differs from master rounded to the model's dtype: a write to
+// the model from outside ampinit, adopted.  Reads both, writes a master vector only where
+// one of its elements changed (NaN differs from everything, so a NaN model value is taken).
+template <typename Model>
+void adopt(const Model* model, float* master, int64_t n) {
+  constexpr int kAllEqual = (1 << FloatVec::size()) - 1;  // zero_mask() when no lane differs
+  for_each_step(n, [&](int64_t i, int64_t count) {
+    FloatVec lo, hi, master_lo, master_hi;
+    load_n(model + i, count, lo, hi);
+    load_n(master + i, count, master_lo, master_hi);
+    FloatVec rounded_lo = master_lo, rounded_hi = master_hi;
+    if constexpr (!std::is_same_v<Model, float>) {
+      std::tie(rounded_lo, rounded_hi) =
+          at::vec::convert_to_float<Model>(at::vec::convert_from_float<Model>(master_lo, master_hi));
+    }
+    const FloatVec differs_lo = lo != rounded_lo;  // all bits set where true (unordered: NaN)
+    const FloatVec differs_hi = hi != rounded_hi;
+    if (differs_lo.zero_mask() == kAllEqual && differs_hi.zero_mask() == kAllEqual) return;
+    store_n(master + i, count, FloatVec::blendv(master_lo, lo, differs_lo),
+            FloatVec::blendv(master_hi, hi, differs_hi));
+  });
+}
+
 template <typename In>
 bool check(const In* x, int64_t n) {
   FloatVec lo_max(0.0f), hi_max(0.0f);
@@ -315,6 +338,9 @@ inline const KernelTable& table(const char* name) {
       },
       [](c10::ScalarType in, const void* x, int64_t n) {
         return with_type(in, [&](auto i) { return check(static_cast<const decltype(i)*>(x), n); });
+      },
+      [](c10::ScalarType model_type, const void* model, float* master, int64_t n) {
+        with_type(model_type, [&](auto m) { adopt(static_cast<const decltype(m)*>(model), master, n); });
       },
       [](c10::ScalarType in, const void* x, int64_t n) {
         return with_type(in, [&](auto i) {

@@ -145,6 +145,21 @@ void copy_(at::TensorList outputs, at::TensorList inputs) {
   rows.finish();
 }
 
+void adopt_changes_(at::TensorList masters, at::TensorList models) {
+  check_same_length("adopt_changes_", "masters", masters.size(), "models", models.size());
+  for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], at::kCPU);
+  DenseRows rows({models.vec(), masters.vec()}, {false, true});
+  const auto& model = rows.list(0);
+  const auto& master = rows.list(1);
+  const auto& k = kernels();
+  for_each_chunk(model, [&](const Chunk& c) {
+    k.adopt(model[c.tensor].scalar_type(), at_offset(model[c.tensor], c.begin),
+            at_offset<float>(master[c.tensor], c.begin), c.size);
+    return false;
+  });
+  rows.finish();
+}
+
 void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std::optional<at::Tensor>& per_tensor) {
   check_flag("check_finite_", "found_inf", found_inf, at::kCPU);
   check_per_tensor("check_finite_", per_tensor, inputs.size());
@@ -339,6 +354,7 @@ TORCH_LIBRARY_IMPL(ampinit, CPU, m) {
   m.impl("unscale_", &unscale_);
   m.impl("accumulate_", &accumulate_);
   m.impl("copy_", &copy_);
+  m.impl("adopt_changes_", &adopt_changes_);
   m.impl("check_finite_", &check_finite_);
   m.impl("l2norm", &l2norm);
   m.impl("update_scale_", &update_scale_);

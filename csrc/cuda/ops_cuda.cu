@@ -130,6 +130,35 @@ struct CopyFunctor {
   }
 };
 
+// master = model wherever model differs from master rounded to Model (a write to the model from
+// outside ampinit, adopted); NaN differs from everything.  Master is float32 (checked on the host).
+template <typename Model, typename Master>
+struct AdoptFunctor {
+  template <typename Meta>
+  __device__ void operator()(const Meta& meta, int t, int64_t chunk) const {
+    const ChunkRange range(meta.sizes[t], chunk);
+    const Model* model_ptr = static_cast<const Model*>(meta.addresses[0][t]) + range.start;
+    Master* master_ptr = static_cast<Master*>(meta.addresses[1][t]) + range.start;
+    const int head = head_for(model_ptr, master_ptr);
+    const ArrayRef<const Model> model(model_ptr, head);
+    const ArrayRef<Master> master(master_ptr, head);
+    float v[kUnroll][kILP], w[kUnroll][kILP];
+    for_each_pack(
+        Split(range.length, head),
+        [&](int u, int64_t i, int count) {
+          load(v[u], model, i, count);
+          load(w[u], master, i, count);
+        },
+        [&](int u, int64_t i, int count) {
+#pragma unroll
+          for (int k = 0; k < kILP; ++k) {
+            if (k < count && v[u][k] != static_cast<float>(static_cast<Model>(w[u][k]))) w[u][k] = v[u][k];
+          }
+          store(master, i, w[u], count);
+        });
+  }
+};
+
 template <typename In>
 struct CheckFunctor {
   float* found_inf;
@@ -304,6 +333,17 @@ void copy_(at::TensorList outputs, at::TensorList inputs) {
   rows.finish();
 }
 
+void adopt_changes_(at::TensorList masters, at::TensorList models) {
+  check_same_length("adopt_changes_", "masters", masters.size(), "models", models.size());
+  if (models.empty()) return;
+  const at::Device device = cuda_device_of("adopt_changes_", {models, masters});
+  for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], device);
+  const c10::cuda::CUDAGuard guard(device);
+  DenseRows rows({models.vec(), masters.vec()}, {false, true});
+  launch_pairs<AdoptFunctor>({rows.list(0), rows.list(1)});
+  rows.finish();
+}
+
 void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std::optional<at::Tensor>& per_tensor) {
   const at::Device device = cuda_device_of("check_finite_", {inputs}, {&found_inf});
   check_flag("check_finite_", "found_inf", found_inf, device);
@@ -398,6 +438,7 @@ TORCH_LIBRARY_IMPL(ampinit, CUDA, m) {
   m.impl("unscale_", &unscale_);
   m.impl("accumulate_", &accumulate_);
   m.impl("copy_", &copy_);
+  m.impl("adopt_changes_", &adopt_changes_);
   m.impl("check_finite_", &check_finite_);
   m.impl("l2norm", &l2norm);
   m.impl("update_scale_", &update_scale_);
