@@ -272,7 +272,8 @@ def handle_of(obj: Any = None) -> AmpHandle:
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates: FP32 masters where there are any (apex API).
-    Clip these, not the model's parameters: their ``.grad`` is the unscaled gradient.  With a
+    Clip these, not the model's parameters: their ``.grad`` is the unscaled gradient.  Writes
+    to the model since the last step (``p.data.clamp_()``) are adopted first.  With a
     fused optimizer (``ampinit.optim``) this unscales the gradients the kernel would otherwise
     read scaled from the model, into the masters' ``.grad``."""
     inner = amp_optimizer.inner_optimizer(optimizer)
@@ -281,6 +282,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     binding = amp_optimizer.binding_of(inner)
     if binding is not None:
         binding.flow.materialize_deferred()
+        if binding.flow.masters is not None:  # writes to the model since the last step, adopted
+            binding.flow.masters.sync(binding.flow.models())
     for group in inner.param_groups:
         yield from group["params"]
 

@@ -284,7 +284,7 @@ class AmpHandle:
         scaled = scaler.scale(loss)
         watch = BackwardWatch(scaled)
         if self.masters is not None:
-            self.masters.sync([m for flow in flows for m in flow.models()])
+            self.masters.start()
         for flow in flows:
             flow.prepare_backward()
             flow.in_scale_loss = True
@@ -380,7 +380,7 @@ class AmpHandle:
         if master is not None and value.shape == master.shape:
             with torch.no_grad():
                 master.copy_(value)
-            self.masters.mark_loaded([tensor])
+            self.masters.mark_loaded()
 
     def _install_state_dict_hooks(self, model: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> list:
         """``model.state_dict()`` reports the FP32 values of cast tensors in their original

@@ -11,11 +11,12 @@ keeps an FP32 value here, in the storage it had before the cast (no copy is made
 - a buffer's value is what ``model.state_dict()`` and ``end`` return.
 
 Writes to the model from outside ampinit are adopted, so the model stays the truth for them:
-a cast tensor whose version counter (or storage) changed since ampinit last wrote it -- by
 ``model.load_state_dict``, DDP's broadcast of rank 0's weights, an in-place update under
-``no_grad`` -- has its master replaced, element by element, wherever the model no longer
-holds the master's rounding.  A write through ``tensor.data`` changes no version counter; such
-writes are seen only before the first backward, when every value is compared once.
+``no_grad`` or through ``tensor.data`` (WGAN's weight clipping).  Before every optimizer update,
+and whenever an FP32 value is read (``model.state_dict()``, ``end``, ``add_param_group``), each
+master whose model tensor no longer holds the master's rounding takes the model's value, element
+by element (``ops.adopt_changes_``: one pass that reads the model and its masters, about 6 bytes
+per parameter per step).  Every other element keeps its FP32 precision.
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
@@ -25,7 +26,7 @@ weights.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -38,11 +39,6 @@ __all__ = ["MasterWeights"]
 def _distributed_world() -> bool:
     dist = getattr(torch, "distributed", None)
     return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def _stamp(tensor: torch.Tensor) -> Tuple[int, int]:
-    """What changes when a tensor is written in place or given new storage."""
-    return tensor._version, tensor.data_ptr()
 
 
 class MasterWeights:
@@ -60,7 +56,6 @@ class MasterWeights:
         self._model_of: Dict[torch.Tensor, torch.Tensor] = {}
         self._cast_dtype = dict(cast_dtypes)
         self._names = names
-        self._stamps: Dict[torch.Tensor, Tuple[int, int]] = {}
         self._compared_once = False
         self._loaded = False
         self._updated: set = set()   # model parameters whose masters an optimizer updates
@@ -73,7 +68,6 @@ class MasterWeights:
             value = nn.Parameter(value.data, requires_grad=tensor.requires_grad)
             self._model_of[value] = tensor
         self._value[tensor] = value
-        self._stamps[tensor] = _stamp(tensor)
         return value
 
     # -- lookups -------------------------------------------------------------------------------
@@ -115,7 +109,6 @@ class MasterWeights:
             self._added.discard(param)
             master = self._value.pop(param)
             self._model_of.pop(master, None)
-            self._stamps.pop(param, None)
             self._cast_dtype.pop(param, None)
 
     # -- model -> masters ------------------------------------------------------------------------
@@ -136,9 +129,10 @@ class MasterWeights:
 
     def sync(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Adopt writes to the model made since ampinit last wrote it (see the module docstring)
-        for ``tensors`` (default: all).  The first call, at the first backward, compares every
-        value once; under ``torch.distributed`` it sets the masters that optimizers update to
-        the model's values instead (unless a checkpoint was loaded).  No host sync."""
+        for ``tensors`` (default: all): one pass over them and their masters.  The first call,
+        at the first backward, compares every cast tensor; under ``torch.distributed`` it sets
+        the masters that optimizers update to the model's values instead (unless a checkpoint
+        was loaded).  No host sync."""
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)
@@ -149,28 +143,29 @@ class MasterWeights:
             return
         tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
         self.check_model(tensors)
-        self._adopt([t for t in tensors if self._stamps[t] != _stamp(t)], compare=True)
+        self._adopt(tensors, compare=True)
+
+    def start(self) -> None:
+        """At every backward: the first one compares every value (see :meth:`sync`); later
+        ones cost nothing, since writes are adopted before each update."""
+        if not self._compared_once:
+            self.sync()
 
     def _adopt(self, tensors: List[torch.Tensor], compare: bool) -> None:
         if not tensors:
             return
+        values = [self._value[t] for t in tensors]
         with torch.no_grad():
-            for tensor in tensors:
-                value = self._value[tensor]
-                if compare:
-                    changed = tensor.ne(value.to(tensor.dtype))
-                    value.copy_(torch.where(changed, tensor.to(value.dtype), value))
-                else:
+            if compare:
+                ops.adopt_changes_(values, tensors)
+            else:
+                for tensor, value in zip(tensors, values):
                     value.copy_(tensor)
-                self._stamps[tensor] = _stamp(tensor)
 
-    def mark_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
-        """A checkpoint was loaded into these tensors' FP32 values (``load_state_dict``): the
-        model will hold their rounding, which is not a write to adopt."""
+    def mark_loaded(self) -> None:
+        """A checkpoint was loaded into FP32 values (``load_state_dict``): under
+        ``torch.distributed`` the masters then keep it rather than start from the model."""
         self._loaded = True
-        for tensor in tensors:
-            if tensor in self._value:
-                self._stamps[tensor] = (-1, -1)  # compared at the next sync, which keeps exact values
 
     # -- masters -> model ------------------------------------------------------------------------
     def copy_to_model(self, masters: List[torch.Tensor]) -> None:
@@ -179,22 +174,14 @@ class MasterWeights:
         if models:
             with torch.no_grad():
                 ops.copy_(models, masters)
-            self.record(models)
-
-    def record(self, tensors: Iterable[torch.Tensor]) -> None:
-        """ampinit itself just wrote these model tensors from their masters."""
-        for tensor in tensors:
-            if tensor in self._stamps:
-                self._stamps[tensor] = _stamp(tensor)
 
     def restore(self) -> None:
         """``end()``: every cast tensor takes its FP32 value back, adopting writes to the model
         first where it still has the dtype and device ampinit gave it."""
         kept = [t for t in self._value if t.dtype == self._cast_dtype[t] and t.device == self._value[t].device]
-        self._adopt([t for t in kept if not self._compared_once or self._stamps[t] != _stamp(t)], compare=True)
+        self._adopt(kept, compare=True)
         with torch.no_grad():
             for tensor, value in self._value.items():
                 tensor.data = value.data
         self._value.clear()
         self._model_of.clear()
-        self._stamps.clear()
