@@ -24,9 +24,12 @@ Per ``scale_loss``:
 For a distinct pair the model parameter keeps the (scaled) gradient it got, as a *token* (a
 zero tensor if the last loss did not reach it but an earlier one did): if the user clears it
 (``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared too, if it is
-zeroed in place (``zero_grad(set_to_none=False)``) the master's is zeroed, and if it changes
-otherwise (a ``backward`` outside ``scale_loss``, clipping the model's gradients) ``step``
-raises: only the masters' gradients reach the optimizer.
+zeroed in place (``zero_grad(set_to_none=False)``, ``p.grad.data.zero_()``) or replaced by
+zeros the master's is zeroed (through ``.data``: seen at the next ``scale_loss``), and if it changes otherwise (a ``backward`` outside
+``scale_loss``, clipping the model's gradients) ``step`` raises: only the masters' gradients
+reach the optimizer.  A write through ``.data`` changes no version counter, so only zeroing is
+seen that way (by the token's norm); other ``.data`` writes to the model's gradients (and
+zeroing a zero token) go unseen -- write the masters' gradients (``amp.master_params``).
 
 With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
 model's scaled gradients and leaves them to the optimizer's kernel (``deferred``), which
@@ -50,10 +53,15 @@ from .masters import MasterWeights
 
 __all__ = ["GradientFlow", "BackwardWatch"]
 
-# A token: the model gradient expected on a distinct pair, and its version counter then.
-_Token = Tuple[Optional[torch.Tensor], int]
+# What was zero when a token was left tells a token zeroed through ``.data`` (no version counter
+# sees that) from one that was zero all along: the master's gradient, where scale_loss wrote it
+# from the token alone (``_IMAGE``), else the token's L2 norm then (a device scalar), or nothing.
+_IMAGE = "the master's gradient"
+_PARKED = "zero from the start"
+# A token: the model gradient expected on a distinct pair, its version counter then, and the above.
+_Token = Tuple[Optional[torch.Tensor], int, object]
 # The token of a distinct pair whose model gradient scale_loss detached: none is expected.
-_DETACHED: _Token = (None, 0)
+_DETACHED: _Token = (None, 0, None)
 
 
 class BackwardWatch:
@@ -159,28 +167,72 @@ class GradientFlow:
         which needs its values.  The master's gradient is zeroed on the device where the token
         is all zeros, and the verdict is read at ``step`` (:meth:`take_suspects`), with the
         overflow flag, in the step's one host read."""
-        stray = []
+        stray, unchanged = [], []
         for model, master in self.distinct_pairs():
-            expected, version = self._tokens.get(model, _DETACHED)
+            expected, version, before = self._tokens.get(model, _DETACHED)
             grad = model.grad
             if grad is expected:
-                if grad is None or grad._version == version:
+                if grad is None:
                     continue
-                written = grad.ne(0).any()
-                if master.grad is not None and master not in self.deferred:
-                    master.grad.masked_fill_(written.logical_not(), 0.0)
-                self._suspects.append((written, model))
-                self._token(model, grad)
+                if grad._version == version:
+                    if not at_step and before is not None and master.grad is not None and master not in self.deferred:
+                        unchanged.append((model, master, grad, before))
+                    continue
+                self._suspect(model, master, grad)
             elif grad is None:  # cleared: p.grad = None, model.zero_grad()
                 self._clear_master_grad(master)
                 self._tokens.pop(model, None)
+            elif not grad.is_sparse and grad.shape == model.shape:
+                self._suspect(model, master, grad)  # replaced: p.grad = torch.zeros_like(p) zeroes it
             else:
                 stray.append(model)
         if stray:
             raise RuntimeError(self._stray_message(stray, at_step))
+        if unchanged and not at_step:
+            self._carry_data_zeroing(unchanged)
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
+
+    def _suspect(self, model: torch.Tensor, master: torch.Tensor, grad: torch.Tensor) -> None:
+        """A token changed in place or replaced: zero the master's gradient on the device where
+        it is all zeros; whether it holds anything else is read at step."""
+        written = grad.ne(0).any()
+        if master.grad is not None and master not in self.deferred:
+            master.grad.masked_fill_(written.logical_not(), 0.0)
+        self._suspects.append((written, model))
+        self._token(model, grad)
+
+    def _carry_data_zeroing(self, unchanged: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]]) -> None:
+        """Tokens zeroed through ``.data`` (``p.grad.data.zero_()``, the pre-1.0 idiom) keep their
+        version counter: one that was not zero when scale_loss left it and is zero now was
+        zeroed, and its master's gradient is zeroed too.  A parked token (zero from the start)
+        can't show it: it counts as zeroed when another token of this optimizer was (the idiom
+        zeroes every parameter).  One L2-norm pass over the tokens (and over the master
+        gradients that stand for them); on the CPU the verdict is read directly, elsewhere it
+        stays on the device (a masked fill of each master gradient, no sync)."""
+        images = [entry for entry in unchanged if entry[3] is _IMAGE]
+        normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
+        parked = [entry for entry in unchanged if entry[3] is _PARKED]
+        thens = []
+        if images:
+            thens.append(ops.l2norm([master.grad for _, master, _, _ in images], per_tensor=True)[1])
+        if normed:
+            thens.append(torch.stack([norm.reshape(()) for _, _, _, norm in normed]))
+        if not thens:
+            return
+        watched = images + normed
+        _, now = ops.l2norm([grad for _, _, grad, _ in watched], per_tensor=True)
+        zeroed = (torch.cat(thens) > 0) & (now == 0)
+        if parked:
+            zeroed = torch.cat([zeroed, zeroed.any().expand(len(parked))])
+            watched += parked
+        if zeroed.device.type == "cpu":
+            for index in zeroed.nonzero().flatten().tolist():
+                self._zero_master_grad(watched[index][1])
+        else:
+            for (_, master, _, _), flag in zip(watched, zeroed):
+                master.grad.masked_fill_(flag, 0.0)
 
     def take_suspects(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``(written, model_param)`` for every token changed in place since the last step:
@@ -201,8 +253,8 @@ class GradientFlow:
                 "updates the FP32 master weights from their own gradients: run every backward inside scale_loss, "
                 "and clip ampinit.master_params(optimizer)")
 
-    def _token(self, model: torch.Tensor, grad: torch.Tensor) -> None:
-        self._tokens[model] = (grad, grad._version)
+    def _token(self, model: torch.Tensor, grad: torch.Tensor, before: object = None) -> None:
+        self._tokens[model] = (grad, grad._version, before)
 
     def _park(self, model: torch.Tensor, master: torch.Tensor) -> None:
         """Leave a zero token on a model parameter that has no gradient of its own (the last
@@ -213,7 +265,7 @@ class GradientFlow:
             self._tokens[model] = _DETACHED
             return
         model.grad = torch.zeros_like(model)
-        self._token(model, model.grad)
+        self._token(model, model.grad, _PARKED)
 
     def _clear_master_grad(self, master: torch.Tensor) -> None:
         self.keep_spare(master)
@@ -262,7 +314,7 @@ class GradientFlow:
         """Unscale the new gradients into the masters (or onto the stashed ones), flagging
         inf/NaN in ``found_inf``; a stashed gradient this loss did not reach is put back."""
         write_in, write_out, write_models, add_in, add_out = [], [], [], [], []
-        check_in, check_models = [], []
+        check_in, check_models, added = [], [], []
         for model, master in self.pairs():
             grad = model.grad
             if model is master:
@@ -298,9 +350,11 @@ class GradientFlow:
                 write_in.append(grad)
                 write_out.append(master.grad)
                 write_models.append(model)
+                self._token(model, grad, _IMAGE)
             else:
                 add_in.append(grad)
                 add_out.append(master.grad)
+                added.append(model)
         self._stash.clear()
         if write_in:
             ops.unscale_(write_in, write_out, inv_scale, found_inf,
@@ -310,6 +364,10 @@ class GradientFlow:
         if check_in:
             ops.check_finite_(check_in, found_inf, self._overflow_flags(check_models, found_inf.device))
             self.deferred_inv_scale = inv_scale
+        if added:  # the master's gradient holds earlier losses too: remember what the token held
+            _, norms = ops.l2norm([model.grad for model in added], per_tensor=True)
+            for model, norm in zip(added, norms):
+                self._token(model, model.grad, norm)
         self.pending = None
         self.unscaled_since_step = True
 

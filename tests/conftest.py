@@ -66,12 +66,14 @@ def device(request):
     return request.param
 
 
-ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none"]
+ZERO_STYLES = ["opt", "opt_zeros", "model", "model_zeros", "grad_none", "grad_data_zero", "grad_zeros_like"]
 
 
 def clear_grads(style, model, opt):
     """Clear gradients the way a script would: ``opt.zero_grad()`` (to None or zeros),
-    ``model.zero_grad()`` (to None or zeros), or ``p.grad = None`` on the model's parameters."""
+    ``model.zero_grad()`` (to None or zeros), or on the model's parameters ``p.grad = None``,
+    ``p.grad.data.zero_()`` (pre-1.0 PyTorch: no version counter sees it) or
+    ``p.grad = torch.zeros_like(p)``."""
     if style == "opt":
         opt.zero_grad()
     elif style == "opt_zeros":
@@ -80,6 +82,14 @@ def clear_grads(style, model, opt):
         model.zero_grad()
     elif style == "model_zeros":
         model.zero_grad(set_to_none=False)
+    elif style == "grad_data_zero":
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data.zero_()
+    elif style == "grad_zeros_like":
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     else:
         for p in model.parameters():
             p.grad = None
