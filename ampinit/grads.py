@@ -25,11 +25,12 @@ For a distinct pair the model parameter keeps the (scaled) gradient it got, as a
 zero tensor if the last loss did not reach it but an earlier one did): if the user clears it
 (``p.grad = None``, ``model.zero_grad()``) the master's gradient is cleared too, if it is
 zeroed in place (``zero_grad(set_to_none=False)``, ``p.grad.data.zero_()``) or replaced by
-zeros the master's is zeroed (through ``.data``: seen at the next ``scale_loss``), and if it changes otherwise (a ``backward`` outside
-``scale_loss``, clipping the model's gradients) ``step`` raises: only the masters' gradients
-reach the optimizer.  A write through ``.data`` changes no version counter, so only zeroing is
-seen that way (by the token's norm); other ``.data`` writes to the model's gradients (and
-zeroing a zero token) go unseen -- write the masters' gradients (``amp.master_params``).
+zeros the master's is zeroed (through ``.data``: seen at the next ``scale_loss``), and if it
+changes otherwise (a ``backward`` outside ``scale_loss``, clipping the model's gradients)
+``step`` raises: only the masters' gradients reach the optimizer.  A write through ``.data``
+changes no version counter, so only zeroing is seen that way (by the token's norm); other
+``.data`` writes to the model's gradients go unseen -- write the masters' gradients
+(``amp.master_params``).
 
 With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
 model's scaled gradients and leaves them to the optimizer's kernel (``deferred``), which
