@@ -1,8 +1,10 @@
-"""Walking the nested containers (lists, tuples, namedtuples, dicts) that models take and return."""
+"""Walking the nested containers (lists, tuples, namedtuples, dicts, dataclasses) that models take
+and return."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Iterator
 
 import torch
@@ -18,11 +20,20 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from iter_tensors(item)
+    elif _is_dataclass_instance(value):
+        for field in dataclasses.fields(value):
+            yield from iter_tensors(getattr(value, field.name))
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor cast to ``dtype``; containers are rebuilt
-    with their own type (namedtuples and dict subclasses included), other objects kept."""
+    with their own type (namedtuples, dict subclasses and dataclasses included: a shallow copy
+    with its fields replaced, frozen ones too, ``__post_init__`` not run again), other objects
+    kept."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -35,5 +46,10 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         out = copy.copy(value)
         for key, item in value.items():
             out[key] = cast_floating(item, dtype)
+        return out
+    if _is_dataclass_instance(value):
+        out = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(out, field.name, cast_floating(getattr(value, field.name), dtype))
         return out
     return value

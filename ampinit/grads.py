@@ -414,8 +414,10 @@ class GradientFlow:
     def check_ready_for_step(self) -> None:
         if self.pending is not None:
             raise RuntimeError(
-                "optimizer.step() was called while gradients are still scaled: the last scale_loss used "
-                "delay_unscale=True.  Pass delay_unscale=False to the last scale_loss before step()")
+                "optimizer.step() was called while gradients are still scaled: a scale_loss used "
+                "delay_unscale=True and no scale_loss with delay_unscale=False has finished a backward since "
+                "(one whose body raised before its backward leaves them scaled).  Pass delay_unscale=False to "
+                "the last scale_loss before step(), or call optimizer.zero_grad() to drop the scaled gradients")
         self.reconcile(at_step=True)
 
     def drop_all_grads(self) -> None:

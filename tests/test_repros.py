@@ -2,6 +2,7 @@
 schedulers than the repro itself: each failed before the fix (silently, or with an unclear
 error).  Each test compares against what plain PyTorch (FP32) does with the same script."""
 import copy
+import dataclasses
 import io
 import logging
 import pickle
@@ -600,6 +601,38 @@ def test_s_o1_losses_outside_the_model_are_fp32(level, loss):
     assert value.item() == LOSSES[loss](out.detach(), labels, dense).item()
     exact = LOSSES[loss](out.detach().double(), labels, dense.double()).item()
     assert value.item() == pytest.approx(exact, rel=1e-6)  # not fp16's 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    logits: torch.Tensor
+    extras: dict
+
+
+class _DataclassModel(nn.Module):
+    """Takes and returns dataclasses, as many research codebases do."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 1000)
+
+    def forward(self, batch: _Output) -> _Output:
+        logits = self.body(batch.logits)
+        return _Output(logits, {"hidden": logits * 2})
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_s_o1_dataclass_outputs_are_fp32_and_inputs_cast(level):
+    """Dataclass outputs are cast like dicts and namedtuples (a sum-reduced cross entropy over
+    them overflowed fp16 before); dataclass inputs reach a cast model in its dtype."""
+    torch.manual_seed(0)
+    model = amp.initialize(_DataclassModel(), opt_level=level, verbosity=0)
+    x, labels = torch.randn(20, 16) * 30, torch.randint(0, 1000, (20,))
+    out = model(_Output(x, {}))
+    assert isinstance(out, _Output)
+    assert out.logits.dtype == torch.float32 and out.extras["hidden"].dtype == torch.float32
+    loss = torch.nn.functional.cross_entropy(out.logits, labels, reduction="sum") * 100
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
 # -- item 8: clear errors ----------------------------------------------------------------------
