@@ -18,18 +18,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..handle import AmpHandle
 from ..opt_levels import resolve_config
 from ..optimizer import binding_of
+from .loss_scaler import DynamicLossScaler, LossScaler, to_python_float
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params",
-           "clip_grad_norm", "FP16_Optimizer"]
+           "clip_grad_norm", "FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
 logger = logging.getLogger("ampinit")
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
-
-
-def to_python_float(t: Any) -> float:
-    """A one-element tensor's value as a Python number (a sync on CUDA)."""
-    return t.item() if hasattr(t, "item") else t[0]
 
 
 class tofp16(nn.Module):  # noqa: N801 (apex's name)
