@@ -139,6 +139,12 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     ``dynamic_loss_scale=True`` with ``dynamic_loss_args`` (``init_scale``, ``scale_window``,
     ``min_loss_scale``, ``max_loss_scale``; apex's ``scale_factor`` is accepted and, as in apex,
     the factor is 2).  ``closure`` in ``step`` is not supported.
+
+    ``load_state_dict`` takes this class's ``state_dict()`` and apex's: apex pickled its
+    ``LossScaler``/``DynamicLossScaler`` object (importable as
+    ``apex.fp16_utils.loss_scaler`` under the alias) and saved ``fp32_from_fp16`` as one list
+    per param group.  As in apex, the checkpoint's scaler replaces this one: its scale, its
+    counters, and a dynamic one's ``scale_factor`` and ``scale_window``.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -250,26 +256,64 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
                 "fp32_from_fp16": [p.detach().clone() for p in self.all_fp32_from_fp16_params]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the model takes the masters' rounding."""
+        """Restore :meth:`state_dict` output, or what apex's ``FP16_Optimizer.state_dict()``
+        saved (its pickled ``LossScaler``/``DynamicLossScaler`` object, and ``fp32_from_fp16``
+        as one list of masters per param group); the model takes the masters' rounding."""
         if not isinstance(state_dict, dict) or "optimizer_state_dict" not in state_dict:
             raise ValueError("not an FP16_Optimizer state_dict (no 'optimizer_state_dict')")
         scaler_state = state_dict.get("loss_scaler")
+        # apex's scaler object (ours from apex.fp16_utils.loss_scaler, or a real apex's class).
+        apex_scaler = not isinstance(scaler_state, dict) and hasattr(scaler_state, "cur_scale")
+        if apex_scaler:
+            scaler_state = self._from_apex_scaler(scaler_state)
         masters = state_dict.get("fp32_from_fp16", [])
+        if all(isinstance(group, (list, tuple)) for group in masters):  # apex: one list per param group
+            masters = [master for group in masters for master in group]
         mine = self.all_fp32_from_fp16_params
         if len(masters) != len(mine) or any(a.shape != b.shape for a, b in zip(masters, mine)):
             raise ValueError("the checkpoint's fp32_from_fp16 masters do not match this optimizer's parameters")
         if isinstance(scaler_state, dict):
             self._scaler.check_state_dict(scaler_state)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        if apex_scaler:
+            self._apply_apex_scaler(state_dict["loss_scaler"])
         if isinstance(scaler_state, dict):
             self._scaler.load_state_dict(scaler_state)
         else:
-            logger.warning("ampinit: FP16_Optimizer checkpoint without a loss scaler state dict (apex pickled its "
-                           "LossScaler object); keeping the current loss scale")
+            logger.warning("ampinit: FP16_Optimizer checkpoint without a loss scaler state (%s); keeping the current "
+                           "loss scale", type(scaler_state).__name__)
         with torch.no_grad():
             for master, value in zip(mine, masters):
                 master.copy_(value)
         self._handle.masters.copy_to_model(mine)
+
+    @staticmethod
+    def _is_dynamic_apex_scaler(scaler: Any) -> bool:
+        return all(hasattr(scaler, key) for key in ("cur_iter", "last_overflow_iter", "scale_factor", "scale_window"))
+
+    def _from_apex_scaler(self, scaler: Any) -> Dict[str, Any]:
+        """The state dict of ampinit's scaler that continues apex's ``scaler`` object."""
+        dynamic = self._is_dynamic_apex_scaler(scaler)
+        if dynamic != self._scaler.dynamic:
+            saved, mine = ("dynamic" if dynamic else "static"), ("dynamic" if self._scaler.dynamic else "static")
+            raise ValueError(f"the checkpoint's loss scale is {saved} but this FP16_Optimizer's is {mine}; construct "
+                             f"it with dynamic_loss_scale={dynamic} to load it")
+        state: Dict[str, Any] = {"loss_scale": float(scaler.cur_scale), "unskipped": 0}
+        if dynamic:
+            # apex grows at the update where (cur_iter - last_overflow_iter) % scale_window == 0;
+            # ampinit when its count of clean steps reaches the window.
+            state["unskipped"] = (scaler.cur_iter - scaler.last_overflow_iter - 1) % scaler.scale_window
+        return state
+
+    def _apply_apex_scaler(self, scaler: Any) -> None:
+        """apex replaced its scaler with the checkpoint's: take its factor and window, or its
+        static scale, too."""
+        if self._is_dynamic_apex_scaler(scaler):
+            self._scaler.set_growth_interval(int(scaler.scale_window))
+            self._scaler.growth_factor = float(scaler.scale_factor)
+            self._scaler.backoff_factor = 1.0 / float(scaler.scale_factor)
+        else:
+            self._scaler.set_scale(float(scaler.cur_scale))
 
     def __getstate__(self) -> dict:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
