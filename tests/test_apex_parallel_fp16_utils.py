@@ -323,3 +323,59 @@ def test_fp16_optimizer_refuses_an_apex_scaler_of_the_other_kind(tmp_path, apex_
                                     static_loss_scale=128.0, verbose=False)
     with pytest.raises(ValueError, match="dynamic_loss_scale=True"):
         opt.load_state_dict(checkpoint["optimizer"])
+
+
+@pytest.mark.parametrize("args, steps, planted", [
+    (None, 3, {0}),
+    ({"scale_window": 4}, 12, {1}),
+    ({"init_scale": 2 ** 10, "scale_factor": 4.0, "scale_window": 3}, 10, {0, 5}),
+    ({"init_scale": 4.0, "scale_window": 100}, 6, {0, 1, 2, 3}),
+    ({"init_scale": 2 ** 10, "scale_factor": 3.0, "scale_window": 2}, 8, {2}),
+], ids=["defaults", "window", "factor-4", "floor", "factor-3"])
+def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
+    """The scale after each step against apex's DynamicLossScaler rule written out in the test
+    (back off to max(scale / scale_factor, 1), grow by scale_factor after scale_window clean
+    steps; defaults 2**32, 2, 1000).  The loss is tiny, so only the planted infs overflow."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), dynamic_loss_scale=True,
+                                    dynamic_loss_args=args, verbose=False)
+    defaults = {"init_scale": 2 ** 32, "scale_factor": 2.0, "scale_window": 1000}
+    defaults.update(args or {})
+    assert opt.loss_scale == defaults["init_scale"]
+    x = torch.randn(8, 4).half()
+    overflows, scales = [], []
+    for step in range(steps):
+        loss = model(x).float().pow(2).mean() * 1e-12
+        opt.zero_grad()
+        opt.backward(loss * (float("inf") if step in planted else 1.0))
+        overflows.append(opt.overflow)
+        opt.step()
+        scales.append(opt.loss_scale)
+    assert overflows == [step in planted for step in range(steps)]
+    expected = _apex_dynamic_scales(defaults["init_scale"], 0, -1, defaults["scale_factor"],
+                                    defaults["scale_window"], overflows)
+    assert scales == pytest.approx(expected, rel=1e-6)
+
+
+def test_fp16_optimizer_bad_scale_factor():
+    model = nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="scale_factor"):
+        fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                                  dynamic_loss_args={"scale_factor": 0.5})
+
+
+def test_apex_dynamic_loss_scaler_class_follows_apex():
+    """apex.fp16_utils.loss_scaler.DynamicLossScaler used by hand: the same rule, its attributes."""
+    from ampinit.apex.loss_scaler import DynamicLossScaler, LossScaler
+    scaler = DynamicLossScaler(init_scale=8.0, scale_factor=2.0, scale_window=3)
+    overflows = [True, True, True, True, False, False, False, False, True, False, False, False]
+    scales = []
+    for overflow in overflows:
+        scaler.update_scale(overflow)
+        scales.append(scaler.loss_scale)
+    assert scales == _apex_dynamic_scales(8.0, 0, -1, 2.0, 3, overflows)
+    assert (scaler.cur_iter, scaler.last_overflow_iter) == (12, 8)
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([1.0, float("nan")])
+    assert scaler.has_overflow([p]) and not LossScaler(4.0).has_overflow([p]) and LossScaler(4.0).loss_scale == 4.0

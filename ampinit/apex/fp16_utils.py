@@ -9,6 +9,7 @@ skipped step on overflow, the master -> model copy after each step.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +26,10 @@ __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "
            "clip_grad_norm", "FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
 logger = logging.getLogger("ampinit")
+# apex's DynamicLossScaler defaults; it had no ceiling: the largest power of two in float32.
+_APEX_INIT_SCALE = 2.0 ** 32
+_APEX_SCALE_WINDOW = 1000
+_NO_CEILING = 2.0 ** 127
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
 
@@ -135,10 +140,15 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     ``backward(loss)`` scales the loss, backpropagates and unscales into the masters (with
     ``update_master_grads=False`` the gradients stay scaled until :meth:`update_master_grads`,
     for accumulation); ``step()`` skips an overflowing step (and lowers a dynamic scale), else
-    updates the masters and copies them into the model.  ``static_loss_scale`` or
-    ``dynamic_loss_scale=True`` with ``dynamic_loss_args`` (``init_scale``, ``scale_window``,
-    ``min_loss_scale``, ``max_loss_scale``; apex's ``scale_factor`` is accepted and, as in apex,
-    the factor is 2).  ``closure`` in ``step`` is not supported.
+    updates the masters and copies them into the model.  ``closure`` in ``step`` is not supported.
+
+    ``static_loss_scale``, or ``dynamic_loss_scale=True`` with ``dynamic_loss_args``: the scale
+    follows apex's ``DynamicLossScaler`` (``init_scale`` 2**32, ``scale_factor`` 2,
+    ``scale_window`` 1000): on an overflow it becomes ``max(scale / scale_factor, 1)``, and it is
+    multiplied by ``scale_factor`` after ``scale_window`` clean steps.  ampinit adds
+    ``min_loss_scale`` (default 1, apex's floor) and ``max_loss_scale`` (default 2**127, float32's
+    largest power of two; apex had none).  As everywhere in ampinit, ``step()`` raises after 16
+    consecutive skipped steps at the floor, where apex skipped forever.
 
     ``load_state_dict`` takes this class's ``state_dict()`` and apex's: apex pickled its
     ``LossScaler``/``DynamicLossScaler`` object (importable as
@@ -160,15 +170,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
             raise ValueError("FP16_Optimizer needs an optimizer with parameters")
         scaling: Dict[str, Any] = {"loss_scale": "dynamic" if dynamic_loss_scale else static_loss_scale}
         if dynamic_loss_scale:
-            args = dict(dynamic_loss_args or {})
-            args.pop("scale_factor", None)  # apex's LossScaler ignores it: the factor is 2
-            unknown = set(args) - {"init_scale", "scale_window", "min_loss_scale", "max_loss_scale"}
-            if unknown:
-                raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex took init_scale, scale_factor, "
-                                 "scale_window, min_loss_scale, max_loss_scale")
-            if "scale_window" in args:
-                scaling["growth_interval"] = args.pop("scale_window")
-            scaling.update(args)
+            scaling.update(self._dynamic_scaling(dynamic_loss_args or {}))
         elif dynamic_loss_args:
             raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
         config = resolve_config("O2", cast_model_type=False, verbosity=1 if verbose else 0, **scaling)
@@ -176,6 +178,23 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)
         self._binding = binding_of(init_optimizer)
         self._scaler = self._handle.loss_scalers[0]
+
+    @staticmethod
+    def _dynamic_scaling(dynamic_loss_args: Dict[str, Any]) -> Dict[str, Any]:
+        """ampinit's scaler options for apex's ``DynamicLossScaler(**dynamic_loss_args)``."""
+        args = dict(dynamic_loss_args)
+        unknown = set(args) - {"init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale"}
+        if unknown:
+            raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex's DynamicLossScaler takes "
+                             "init_scale, scale_factor and scale_window (ampinit adds min_loss_scale, max_loss_scale)")
+        factor = args.pop("scale_factor", 2.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+            raise ValueError(f"dynamic_loss_args: scale_factor must be a finite number >= 1; got {factor!r}")
+        return {"init_scale": args.pop("init_scale", _APEX_INIT_SCALE),
+                "growth_interval": args.pop("scale_window", _APEX_SCALE_WINDOW),
+                "growth_factor": float(factor), "backoff_factor": 1.0 / float(factor),
+                "min_loss_scale": args.pop("min_loss_scale", 1.0),
+                "max_loss_scale": args.pop("max_loss_scale", _NO_CEILING)}
 
     # -- apex's API -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
