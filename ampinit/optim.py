@@ -305,6 +305,23 @@ class FusedAdam(_FusedOptimizer):
             if state and "exp_avg" in state and state.get("step") is None:
                 state["step"] = torch.tensor(value, dtype=torch.float32)
 
+    # -- what subclasses written for apex's FusedAdam read (fairseq's FusedAdamV2 overrides step()
+    # and calls multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, ...)) --
+    @property
+    def multi_tensor_adam(self) -> Callable[..., None]:
+        """apex's ``amp_C.multi_tensor_adam`` (ampinit's emulation), as apex's ``FusedAdam`` has it."""
+        from .apex.amp_C import multi_tensor_adam
+        return multi_tensor_adam
+
+    @property
+    def _dummy_overflow_buf(self) -> torch.Tensor:
+        """apex's ``FusedAdam._dummy_overflow_buf``: a 1-element int32 zero on the params' device."""
+        buffer = self.__dict__.get("_apex_overflow_buf")
+        if buffer is None:
+            device = self.param_groups[0]["params"][0].device
+            buffer = self.__dict__["_apex_overflow_buf"] = torch.zeros(1, dtype=torch.int32, device=device)
+        return buffer
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
