@@ -254,7 +254,10 @@ class FusedAdam(_FusedOptimizer):
 
     Loading a ``torch.optim.Adam``/``AdamW`` state dict continues it exactly; one saved with
     ``amsgrad=True``, ``maximize=True``, or (with weight decay) a ``decoupled_weight_decay``
-    that contradicts ``adam_w_mode`` raises ``ValueError``.
+    that contradicts ``adam_w_mode`` raises ``ValueError``.  So does loading one saved by apex's
+    ``FusedAdam``, which keeps a single step count per param group (``param_groups[i]['step']``)
+    and only ``exp_avg``/``exp_avg_sq`` per param: each param with saved moments but no step of
+    its own takes its group's step, so bias correction continues where apex left it.
     """
 
     _HYPER_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -278,6 +281,7 @@ class FusedAdam(_FusedOptimizer):
 
     def _check_loaded_group(self, index: int, group: dict) -> None:
         super()._check_loaded_group(index, group)
+        self._adopt_group_step(group)
         decoupled = bool(group.get("decoupled_weight_decay", self.adam_w_mode))
         if decoupled != self.adam_w_mode and _host_float(group["weight_decay"]) != 0.0:
             saved = "torch.optim.AdamW or FusedAdam(adam_w_mode=True)" if decoupled else \
@@ -287,6 +291,36 @@ class FusedAdam(_FusedOptimizer):
                              f"{group['weight_decay']}, but this optimizer has adam_w_mode={self.adam_w_mode}. "
                              f"Construct it with adam_w_mode={decoupled}")
         group["decoupled_weight_decay"] = self.adam_w_mode
+
+    def _adopt_group_step(self, group: dict) -> None:
+        """An apex ``FusedAdam`` checkpoint counts steps per group: give that count to each of
+        the group's params that has saved moments but no ``step`` (torch's per-param layout),
+        then drop the group key, which would otherwise go stale as the params step on."""
+        if "step" not in group:
+            return
+        step = group.pop("step")
+        value = float(step.detach().reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
+        for param in group["params"]:
+            state = self.state.get(param)
+            if state and "exp_avg" in state and state.get("step") is None:
+                state["step"] = torch.tensor(value, dtype=torch.float32)
+
+    # -- what subclasses written for apex's FusedAdam read (fairseq's FusedAdamV2 overrides step()
+    # and calls multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, ...)) --
+    @property
+    def multi_tensor_adam(self) -> Callable[..., None]:
+        """apex's ``amp_C.multi_tensor_adam`` (ampinit's emulation), as apex's ``FusedAdam`` has it."""
+        from .apex.amp_C import multi_tensor_adam
+        return multi_tensor_adam
+
+    @property
+    def _dummy_overflow_buf(self) -> torch.Tensor:
+        """apex's ``FusedAdam._dummy_overflow_buf``: a 1-element int32 zero on the params' device."""
+        buffer = self.__dict__.get("_apex_overflow_buf")
+        if buffer is None:
+            device = self.param_groups[0]["params"][0].device
+            buffer = self.__dict__["_apex_overflow_buf"] = torch.zeros(1, dtype=torch.int32, device=device)
+        return buffer
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

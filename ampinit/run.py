@@ -31,6 +31,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         if len(argv) < 2:
             raise SystemExit(f"ampinit.run: -m needs a module name\n{USAGE}")
         module, args = argv[1], argv[2:]
+        aliased = sys.modules.get(module)
+        if aliased is not None and aliased.__name__ != module and callable(getattr(aliased, "main", None)):
+            # An apex script module under the alias (apex.parallel.multiproc): runpy cannot run a
+            # module under a second name, so its main() runs instead.
+            sys.argv = [module] + args
+            aliased.main(args)
+            return
         sys.argv = [module] + args  # runpy replaces argv[0] with the module's path
         sys.path.insert(0, os.getcwd())
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -55,6 +55,74 @@ def test_names_resolve_to_ampinit(alias):
     assert to_python_float(torch.tensor([2.5])) == 2.5
 
 
+# Import forms of apex-era code (DeepLearningExamples, Megatron-LM, fairseq, old HF BERT, ...).
+APEX_SUBMODULE_IMPORTS = [
+    "from apex.amp.handle import scale_loss",
+    "from apex.amp.handle import disable_casts",
+    "from apex.amp._initialize import _initialize",
+    "from apex.amp.amp import init, half_function, float_function, promote_function",
+    "from apex.amp.amp import register_half_function, register_float_function, register_promote_function",
+    "from apex.amp.frontend import initialize, state_dict, load_state_dict",
+    "from apex.amp.scaler import LossScaler",
+    "from apex.optimizers.fused_adam import FusedAdam",
+    "from apex.optimizers.fused_lamb import FusedLAMB",
+    "from apex.optimizers.fused_sgd import FusedSGD",
+    "from apex.optimizers.fused_novograd import FusedNovoGrad",
+    "from apex.optimizers.fused_adagrad import FusedAdagrad",
+    "from apex.optimizers.fused_mixed_precision_lamb import FusedMixedPrecisionLamb",
+    "from apex.parallel.sync_batchnorm import SyncBatchNorm",
+    "from apex.parallel import multiproc",
+    "import apex.parallel.multiproc",
+    "from apex.fp16_utils.fp16_optimizer import FP16_Optimizer",
+    "from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler",
+    "from apex.fp16_utils.fp16util import BN_convert_float, network_to_half, prep_param_lists, "
+    "model_grads_to_master_grads, master_params_to_model_params, tofp16, FP16Model",
+    "from apex.fp16_utils import LossScaler, DynamicLossScaler",
+]
+
+
+@pytest.mark.parametrize("statement", APEX_SUBMODULE_IMPORTS)
+def test_apex_submodules_import(alias, statement):
+    exec(statement, {})
+
+
+def test_apex_submodules_are_ampinits_objects_and_load_no_second_copies(alias):
+    """apex.amp is the ampinit package: its submodule names must not load ampinit's files again
+    (a second ampinit.frontend with its own globals) nor rebind ampinit's attributes."""
+    originals = {name: sys.modules[f"ampinit.{name}"] for name in ("frontend", "handle", "scaler")}
+    from apex.amp.frontend import initialize
+    from apex.amp.handle import scale_loss
+    from apex.fp16_utils.loss_scaler import DynamicLossScaler
+    from apex.optimizers.fused_adam import FusedAdam
+    from apex.parallel.sync_batchnorm import SyncBatchNorm
+
+    assert initialize is ampinit.initialize and scale_loss is ampinit.scale_loss
+    assert FusedAdam is ampinit.optim.FusedAdam
+    assert SyncBatchNorm is ampinit.apex.parallel.SyncBatchNorm
+    assert DynamicLossScaler is ampinit.apex.fp16_utils.DynamicLossScaler
+    for name, module in originals.items():
+        assert getattr(ampinit, name) is module
+    assert not [name for name in sys.modules if name.startswith("apex.amp.")
+                and sys.modules[name].__name__.startswith("apex.")]  # no module loaded under apex's name
+    ampinit.uninstall_apex_alias()
+    assert not [name for name in sys.modules if name.startswith("apex")]
+
+
+def test_apex_amp_internals_raise_clear_errors(alias):
+    from apex.amp._initialize import _initialize
+    from apex.amp.scaler import LossScaler
+    with pytest.raises(RuntimeError, match=r"_amp_state.loss_scalers\[i\]"):
+        LossScaler("dynamic")
+    with pytest.raises(RuntimeError, match=r"apex.amp.initialize\(models, optimizers"):
+        _initialize(nn.Linear(2, 2), None, None)
+
+
+def test_multiproc_imports_and_running_it_names_torchrun(tmp_path):
+    result = run(["-m", "ampinit.run", "-m", "apex.parallel.multiproc", "main.py", "--lr", "1"], cwd=tmp_path)
+    assert result.returncode == 1 and "RuntimeError" in result.stderr and "torchrun --nproc_per_node" in result.stderr
+    assert not list(tmp_path.iterdir())  # no GPU_*.log: nothing was launched
+
+
 def test_frameworks_detection_finds_apex(alias):
     spec = importlib.util.find_spec("apex")
     assert spec is not None and importlib.util.find_spec("apex.amp") is not None
@@ -125,6 +193,9 @@ def _fake_real_apex(tmp_path, with_amp):
     (root / "apex" / "optimizers" / "__init__.py").write_text("class FusedAdam:\n    REAL = True\n")
     (root / "apex" / "parallel").mkdir()
     (root / "apex" / "parallel" / "__init__.py").write_text("class SyncBatchNorm:\n    REAL = True\n")
+    # apex's launcher runs when imported: the alias must find it without importing it.
+    (root / "apex" / "parallel" / "multiproc.py").write_text(
+        f"open({str(tmp_path / 'launched')!r}, 'w').close()\n")
     if with_amp:
         (root / "apex" / "amp").mkdir()
         (root / "apex" / "amp" / "__init__.py").write_text("REAL = True\n")
@@ -149,6 +220,7 @@ def test_a_real_apex_is_respected(tmp_path, with_amp):
     """)
     result = run(["-c", code], env={"PYTHONPATH": os.pathsep.join([str(root), ROOT])})
     assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "launched").exists()
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["real_optimizers"] and report["real_syncbn"]  # apex's own modules stay
     if with_amp:

@@ -45,6 +45,7 @@ import sys
 import pytest
 import torch
 
+import ampinit.optim
 from ampinit import ops
 from ampinit.apex import amp_C, apex_C
 from ampinit.apex import multi_tensor_apply as mta
@@ -579,9 +580,10 @@ def test_multi_tensor_applier_validation():
 
 def test_amp_C_surface():
     for name in ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_unscale_l2norm",
-                 "update_scale_hysteresis"):
+                 "update_scale_hysteresis", "multi_tensor_adam"):
         assert callable(getattr(amp_C, name))
-    replacements = {"multi_tensor_adam": "FusedAdam", "multi_tensor_sgd": "FusedSGD", "multi_tensor_lamb": "FusedLAMB",
+    replacements = {"multi_tensor_adam_capturable": "FusedAdam", "multi_tensor_sgd": "FusedSGD",
+                    "multi_tensor_lamb": "FusedLAMB",
                     "multi_tensor_novograd": "FusedNovoGrad", "multi_tensor_lamb_mp": "FusedLAMB",
                     "multi_tensor_adagrad": "Adagrad", "multi_tensor_l2norm_mp": "multi_tensor_l2norm"}
     for name, replacement in replacements.items():
@@ -724,3 +726,117 @@ def test_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert flag.item() == 0
+
+
+# -- amp_C.multi_tensor_adam, and optimizers written against apex's FusedAdam that call it -----------
+
+def _adam_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _adam_grads(model, step):
+    gen = torch.Generator().manual_seed(step)
+    model.zero_grad()
+    model(torch.randn(8, 6, generator=gen)).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["adam-l2", "adamw"])
+def test_multi_tensor_adam_matches_torch_adam(mode):
+    """apex's op through the applier, steps 1..10, against torch.optim.Adam (mode 0) / AdamW (1)."""
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    ref = _adam_model()
+    ref_opt = (torch.optim.AdamW if mode else torch.optim.Adam)(ref.parameters(), **hyper)
+    model = _adam_model()
+    params = list(model.parameters())
+    exp_avgs = [torch.zeros_like(p) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p) for p in params]
+    flag = torch.zeros(1, dtype=torch.int32)
+    for step in range(1, 11):
+        _adam_grads(ref, step)
+        ref_opt.step()
+        _adam_grads(model, step)
+        multi_tensor_applier(amp_C.multi_tensor_adam, flag, [[p.grad for p in params], params, exp_avgs, exp_avg_sqs],
+                             hyper["lr"], 0.9, 0.99, hyper["eps"], step, mode, 1, hyper["weight_decay"])
+    for p, q, m, v in zip(ref.parameters(), params, exp_avgs, exp_avg_sqs):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m, ref_opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(v, ref_opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    assert flag.item() == 0
+
+
+def test_multi_tensor_adam_without_bias_correction_and_fp16():
+    """bias_correction=0 and float16 tensors against the formula in float64, rounded once."""
+    g = torch.Generator().manual_seed(4)
+    grad, param = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    m, v = torch.randn(7, generator=g) * 0.1, torch.rand(7, generator=g) * 0.1
+    lists = [[t.clone().half()] for t in (grad, param, m, v)]
+    amp_C.multi_tensor_adam(65536, torch.zeros(1, dtype=torch.int32), lists, 0.1, 0.8, 0.9, 1e-3, 3, 1, 0, 0.01)
+    g64, p64, m64, v64 = (t.half().double() for t in (grad, param, m, v))
+    m_new = 0.8 * m64 + 0.2 * g64
+    v_new = 0.9 * v64 + 0.1 * g64 * g64
+    p_new = p64 - 0.1 * (m_new / (v_new.sqrt() + 1e-3) + 0.01 * p64)
+    for out, expected in zip((lists[1][0], lists[2][0], lists[3][0]), (p_new, m_new, v_new)):
+        torch.testing.assert_close(out.double(), expected.half().double(), rtol=2e-3, atol=1e-4)
+    assert torch.equal(lists[0][0], grad.half())  # the gradients are not modified
+
+
+class _FairseqStyleFusedAdam(ampinit.optim.FusedAdam):
+    """fairseq's FusedAdamV2, condensed: it requires ``multi_tensor_adam`` on apex's FusedAdam and
+    overrides step() with apex's own loop (group step count, FP32 copies of fp16 params)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "multi_tensor_adam"):
+            raise Exception("Apex installation is outdated. Please install an updated version of apex.")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            lists, originals = [[], [], [], []], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float)
+                for target, value in zip(lists, (p.grad.float(), p.float(), state["exp_avg"], state["exp_avg_sq"])):
+                    target.append(value)
+                originals.append(p)
+            if originals:
+                multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, lists, group["lr"],
+                                     group["betas"][0], group["betas"][1], group["eps"], group["step"],
+                                     self.adam_w_mode, 1 if group["bias_correction"] else 0, group["weight_decay"])
+                for original, updated in zip(originals, lists[1]):
+                    original.copy_(updated)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam"])
+def test_fairseq_fused_adam_v2_pattern(adam_w_mode):
+    """The subclass constructs (it probes multi_tensor_adam), steps like torch.optim.AdamW/Adam,
+    and its checkpoint (apex's layout: the step count in the group) continues in ampinit's
+    FusedAdam like the uninterrupted torch run."""
+    hyper = dict(lr=1e-2, eps=1e-8, weight_decay=0.05)
+    ref = _adam_model()
+    ref_opt = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(ref.parameters(), **hyper)
+    model = _adam_model()
+    opt = _FairseqStyleFusedAdam(model.parameters(), adam_w_mode=adam_w_mode, **hyper)
+    assert opt._dummy_overflow_buf.dtype == torch.int32 and opt._dummy_overflow_buf.item() == 0
+    for step in range(1, 9):
+        _adam_grads(ref, step)
+        ref_opt.step()
+        _adam_grads(model, step)
+        opt.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    resumed = ampinit.optim.FusedAdam(model.parameters(), adam_w_mode=adam_w_mode, **hyper)
+    resumed.load_state_dict(opt.state_dict())
+    for step in range(9, 14):
+        _adam_grads(ref, step)
+        ref_opt.step()
+        _adam_grads(model, step)
+        resumed.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

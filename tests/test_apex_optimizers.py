@@ -667,3 +667,135 @@ def test_trains_under_o2(name):
     train_step(model, opt, 6)
     assert opt.amp.skipped_steps == 1
     assert not any(torch.equal(m.detach(), b) for m, b in zip(masters, before_masters))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints written by apex's own optimizers: apex counts steps per param group
+# (``param_groups[i]['step']``), and FusedNovoGrad keeps its per-tensor norms in the group.
+# ---------------------------------------------------------------------------------------------
+
+
+def _two_layer(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _train_seq(opt, model, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 6, generator=gen)
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+
+def _apex_adam_layout(torch_state_dict, step):
+    """What apex's FusedAdam saves for the same moments: exp_avg/exp_avg_sq per param, the step
+    count in each param group (an int, or apex's capturable int tensor)."""
+    state = {k: {"exp_avg": v["exp_avg"].clone(), "exp_avg_sq": v["exp_avg_sq"].clone()}
+             for k, v in torch_state_dict["state"].items()}
+    groups = [{key: group[key] for key in ("lr", "betas", "eps", "weight_decay", "params")}
+              for group in torch_state_dict["param_groups"]]
+    for group in groups:
+        group.update(bias_correction=True, step=step)
+    return {"state": state, "param_groups": groups}
+
+
+@pytest.mark.parametrize("step_type", ["int", "tensor"])
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam"])
+def test_fused_adam_resumes_an_apex_checkpoint_like_the_uninterrupted_run(adam_w_mode, step_type):
+    """The reference is torch.optim.AdamW/Adam run 15 steps uninterrupted; ampinit's FusedAdam
+    loads the moments and group step of step 10 in apex's layout and must end where it does."""
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    hyper = dict(lr=1e-2, weight_decay=0.01, eps=1e-8)
+    reference = _two_layer()
+    opt_ref = torch_cls(reference.parameters(), **hyper)
+    _train_seq(opt_ref, reference, 10)
+    apex_sd = _apex_adam_layout(opt_ref.state_dict(), 10 if step_type == "int" else torch.tensor([10]))
+    resumed = _two_layer(seed=5)
+    resumed.load_state_dict(reference.state_dict())
+    opt = amp.optim.FusedAdam(resumed.parameters(), adam_w_mode=adam_w_mode, **hyper)
+    opt.load_state_dict(apex_sd)
+    _train_seq(opt_ref, reference, 5, first_step=10)
+    _train_seq(opt, resumed, 5, first_step=10)
+    for p, q in zip(reference.parameters(), resumed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    assert [float(s["step"]) for s in opt.state.values()] == [15.0] * 4
+    assert all("step" not in group for group in opt.param_groups)  # no stale group count
+    # What it saves now is torch's layout, and torch continues it.
+    torch_again = torch_cls(resumed.parameters(), **hyper)
+    torch_again.load_state_dict(opt.state_dict())
+    assert [float(s["step"]) for s in torch_again.state.values()] == [15.0] * 4
+
+
+def test_fused_adam_keeps_per_param_steps_over_a_group_step():
+    """A per-param ``step`` (torch's layout) wins over a group's; a param without saved moments
+    starts from 0, as in torch."""
+    model = _two_layer()
+    opt = amp.optim.FusedAdam(model.parameters(), lr=1e-2)
+    _train_seq(opt, model, 3)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["step"] = 99
+    del saved["state"][3]
+    fresh = amp.optim.FusedAdam(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved)
+    params = list(model.parameters())
+    assert [float(fresh.state[p]["step"]) for p in params[:3]] == [3.0] * 3
+    assert params[3] not in fresh.state
+
+
+def _novograd_to_apex_layout(state_dict, params):
+    """Move FusedNovoGrad's per-param norms into the group, as apex keeps them: one tensor for
+    the float16 params, one for the float32 params, each in the group's order."""
+    state_dict = copy.deepcopy(state_dict)
+    for group in state_dict["param_groups"]:
+        norms = {torch.float16: [], torch.float32: []}
+        for index in group["params"]:
+            norms[params[index].dtype].append(state_dict["state"][index].pop("exp_avg_sq").reshape(()))
+        group["exp_avg_sq"] = [torch.stack(norms[torch.float16]) if norms[torch.float16] else torch.zeros(0),
+                               torch.stack(norms[torch.float32])]
+    return state_dict
+
+
+@pytest.mark.parametrize("name", ["lamb", "lamb-l2-nvlamb", "novograd", "novograd-max-zero", "adagrad"])
+def test_apex_layout_checkpoints_continue_exactly(name):
+    """apex's FusedLAMB/FusedNovoGrad/FusedAdagrad checkpoints (group step, NovoGrad's norms in the
+    group, one param in float16 so that apex's two norm lists are both used) continue as the
+    uninterrupted run does."""
+    whole = _two_layer()
+    whole[0].bias.data = whole[0].bias.data.half()
+    opt_whole = MAKERS[name](whole.parameters())
+
+    def run(opt, model, steps, first_step=0):
+        for step in range(first_step, first_step + steps):
+            gen = torch.Generator().manual_seed(step)
+            opt.zero_grad()
+            x = torch.randn(8, 6, generator=gen)
+            out = torch.nn.functional.linear(x, model[0].weight, model[0].bias.float())
+            model[2](torch.tanh(out)).pow(2).mean().backward()
+            opt.step()
+
+    run(opt_whole, whole, 6)
+    params = list(whole.parameters())
+    saved = opt_whole.state_dict()
+    if name.startswith("novograd"):
+        saved = _novograd_to_apex_layout(saved, params)
+    resumed = copy.deepcopy(whole)
+    opt_resumed = MAKERS[name](resumed.parameters())
+    opt_resumed.load_state_dict(saved)
+    run(opt_whole, whole, 4, first_step=6)
+    run(opt_resumed, resumed, 4, first_step=6)
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert [g.get("step") for g in opt_whole.param_groups] == [g.get("step") for g in opt_resumed.param_groups]
+    assert all("exp_avg_sq" not in g for g in opt_resumed.param_groups)
+
+
+def test_novograd_apex_norms_that_do_not_match_raise():
+    model = _two_layer()
+    opt = FusedNovoGrad(model.parameters())
+    _train_seq(opt, model, 2)
+    saved = _novograd_to_apex_layout(opt.state_dict(), list(model.parameters()))
+    saved["param_groups"][0]["exp_avg_sq"][1] = saved["param_groups"][0]["exp_avg_sq"][1][:3]
+    with pytest.raises(ValueError, match="same parameters"):
+        FusedNovoGrad(model.parameters()).load_state_dict(saved)

@@ -3,6 +3,9 @@ apex's arguments, SyncBatchNorm on the CPU, LARC, and FP16_Optimizer, each again
 import copy
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -202,3 +205,177 @@ def test_fp16_optimizer_rejects_bad_input():
         opt.step(lambda: 0)
     with pytest.raises(RuntimeError, match="state_dict"):
         copy.deepcopy(opt)
+
+
+# -- FP16_Optimizer checkpoints written by apex ----------------------------------------------------
+
+# A stand-in for apex's own package, only as far as pickling needs: apex's FP16_Optimizer.state_dict()
+# holds its scaler object, whose class lives in apex.fp16_utils.loss_scaler.
+_FAKE_APEX_SCALERS = """
+class LossScaler:
+    def __init__(self, scale=1):
+        self.cur_scale = scale
+
+class DynamicLossScaler:
+    def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
+        self.cur_scale = init_scale
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+"""
+
+_WRITE_APEX_CHECKPOINT = """
+import sys, torch
+from torch import nn
+from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).half()
+masters = [[p.detach().float() + 0.01 for p in model[0].parameters()],
+           [p.detach().float() - 0.01 for p in model[1].parameters()]]
+inner = torch.optim.SGD([{"params": masters[0]}, {"params": masters[1], "lr": 0.05}], lr=0.1, momentum=0.9)
+for group in masters:
+    for p in group:
+        inner.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+if sys.argv[2] == "dynamic":
+    scaler = DynamicLossScaler(init_scale=2**32, scale_factor=4.0, scale_window=8)
+    scaler.cur_scale, scaler.cur_iter, scaler.last_overflow_iter = 512.0, 40, 30
+else:
+    scaler = LossScaler(128.0)
+torch.save({"model": model.state_dict(),
+            "optimizer": {"loss_scaler": scaler, "dynamic_loss_scale": sys.argv[2] == "dynamic", "overflow": False,
+                          "first_closure_call_this_step": True, "optimizer_state_dict": inner.state_dict(),
+                          "fp32_from_fp16": masters}}, sys.argv[1])
+"""
+
+
+def _apex_checkpoint(tmp_path, kind):
+    """Written in a separate process where ``apex`` is the stand-in above, so that the pickle
+    names apex's module, as a real apex checkpoint does."""
+    package = tmp_path / "fakeapex" / "apex" / "fp16_utils"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "loss_scaler.py").write_text(_FAKE_APEX_SCALERS)
+    path = tmp_path / f"apex_{kind}.pt"
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(_WRITE_APEX_CHECKPOINT), str(path), kind],
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path / "fakeapex")), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.fixture
+def apex_alias():
+    amp.install_apex_alias()
+    yield
+    amp.uninstall_apex_alias()
+
+
+def _apex_dynamic_scales(scale, cur_iter, last_overflow_iter, factor, window, overflows):
+    """apex's DynamicLossScaler.update_scale, written out: the scale after each update."""
+    scales = []
+    for overflow in overflows:
+        if overflow:
+            scale, last_overflow_iter = max(scale / factor, 1), cur_iter
+        elif (cur_iter - last_overflow_iter) % window == 0:
+            scale *= factor
+        cur_iter += 1
+        scales.append(scale)
+    return scales
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_fp16_optimizer_loads_an_apex_checkpoint(tmp_path, apex_alias, kind):
+    """The pickled scaler unpickles through apex.fp16_utils.loss_scaler, the per-group
+    fp32_from_fp16 lists load, and the scale then moves as apex's scaler object would."""
+    checkpoint = torch.load(_apex_checkpoint(tmp_path, kind), weights_only=False)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).half()
+    inner = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.05}],
+                            lr=0.1, momentum=0.9)
+    opt = fp16_utils.FP16_Optimizer(inner, static_loss_scale=1.0, dynamic_loss_scale=kind == "dynamic",
+                                    verbose=False)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    saved = [m for group in checkpoint["optimizer"]["fp32_from_fp16"] for m in group]
+    for master, value, param in zip(opt.all_fp32_from_fp16_params, saved, model.parameters()):
+        assert torch.equal(master, value) and torch.equal(param, value.half())
+        assert torch.equal(opt.state[master]["momentum_buffer"], torch.full_like(value, 0.5))
+    assert opt.loss_scale == (512.0 if kind == "dynamic" else 128.0)
+
+    overflows = [False] * 7 + [True] + [False] * 9
+    x = torch.randn(5, 4).half()
+    scales = []
+    for overflow in overflows:
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean() * (float("inf") if overflow else 1.0))
+        opt.step()
+        scales.append(opt.loss_scale)
+    expected = _apex_dynamic_scales(512.0, 40, 30, 4.0, 8, overflows) if kind == "dynamic" else [128.0] * 17
+    assert scales == expected
+
+
+def test_fp16_optimizer_refuses_an_apex_scaler_of_the_other_kind(tmp_path, apex_alias):
+    checkpoint = torch.load(_apex_checkpoint(tmp_path, "dynamic"), weights_only=False)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    static_loss_scale=128.0, verbose=False)
+    with pytest.raises(ValueError, match="dynamic_loss_scale=True"):
+        opt.load_state_dict(checkpoint["optimizer"])
+
+
+@pytest.mark.parametrize("args, steps, planted", [
+    (None, 3, {0}),
+    ({"scale_window": 4}, 12, {1}),
+    ({"init_scale": 2 ** 10, "scale_factor": 4.0, "scale_window": 3}, 10, {0, 5}),
+    ({"init_scale": 4.0, "scale_window": 100}, 6, {0, 1, 2, 3}),
+    ({"init_scale": 2 ** 10, "scale_factor": 3.0, "scale_window": 2}, 8, {2}),
+], ids=["defaults", "window", "factor-4", "floor", "factor-3"])
+def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
+    """The scale after each step against apex's DynamicLossScaler rule written out in the test
+    (back off to max(scale / scale_factor, 1), grow by scale_factor after scale_window clean
+    steps; defaults 2**32, 2, 1000).  The loss is tiny, so only the planted infs overflow."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), dynamic_loss_scale=True,
+                                    dynamic_loss_args=args, verbose=False)
+    defaults = {"init_scale": 2 ** 32, "scale_factor": 2.0, "scale_window": 1000}
+    defaults.update(args or {})
+    assert opt.loss_scale == defaults["init_scale"]
+    x = torch.randn(8, 4).half()
+    overflows, scales = [], []
+    for step in range(steps):
+        loss = model(x).float().pow(2).mean() * 1e-12
+        opt.zero_grad()
+        opt.backward(loss * (float("inf") if step in planted else 1.0))
+        overflows.append(opt.overflow)
+        opt.step()
+        scales.append(opt.loss_scale)
+    assert overflows == [step in planted for step in range(steps)]
+    expected = _apex_dynamic_scales(defaults["init_scale"], 0, -1, defaults["scale_factor"],
+                                    defaults["scale_window"], overflows)
+    assert scales == pytest.approx(expected, rel=1e-6)
+
+
+def test_fp16_optimizer_bad_scale_factor():
+    model = nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="scale_factor"):
+        fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                                  dynamic_loss_args={"scale_factor": 0.5})
+
+
+def test_apex_dynamic_loss_scaler_class_follows_apex():
+    """apex.fp16_utils.loss_scaler.DynamicLossScaler used by hand: the same rule, its attributes."""
+    from ampinit.apex.loss_scaler import DynamicLossScaler, LossScaler
+    scaler = DynamicLossScaler(init_scale=8.0, scale_factor=2.0, scale_window=3)
+    overflows = [True, True, True, True, False, False, False, False, True, False, False, False]
+    scales = []
+    for overflow in overflows:
+        scaler.update_scale(overflow)
+        scales.append(scaler.loss_scale)
+    assert scales == _apex_dynamic_scales(8.0, 0, -1, 2.0, 3, overflows)
+    assert (scaler.cur_iter, scaler.last_overflow_iter) == (12, 8)
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([1.0, float("nan")])
+    assert scaler.has_overflow([p]) and not LossScaler(4.0).has_overflow([p]) and LossScaler(4.0).loss_scale == 4.0

@@ -12,10 +12,15 @@ apex's names in ``sys.modules``:
                                ``FusedNovoGrad``, ``FusedAdagrad``
 ``apex.parallel``              ``DistributedDataParallel`` (torch's, with apex's arguments),
                                ``SyncBatchNorm``, ``convert_syncbn_model``, ``LARC``, ``Reducer``
-``apex.fp16_utils``            ``to_python_float``, ``FP16_Optimizer`` (on ampinit's O2), ...
+``apex.fp16_utils``            ``to_python_float``, ``FP16_Optimizer`` (on ampinit's O2), ...,
+                               ``LossScaler``, ``DynamicLossScaler`` (``.loss_scaler``)
 ``apex.multi_tensor_apply``    ``multi_tensor_applier``
 ``amp_C``, ``apex_C``          the multi-tensor ops scripts call, on ampinit's kernels
 =============================  ===============================================================
+
+apex's submodules that code imports from resolve too (``apex.optimizers.fused_adam``,
+``apex.fp16_utils.fp16_optimizer``, ``apex.parallel.sync_batchnorm``, ``apex.amp.handle``, ...:
+see ``ALIASED``).
 
 A distribution named ``apex`` is registered with ``importlib.metadata`` too, since frameworks
 ask for one before using it.  Install the alias before importing the framework: most of them
@@ -48,16 +53,36 @@ ALIASED: Dict[str, str] = {
     "apex": "ampinit.apex",
     "apex.amp": "ampinit",
     "apex.amp._amp_state": "ampinit._amp_state",
+    # apex.amp's submodules are named explicitly: otherwise Python would find ampinit's files of
+    # the same name (ampinit/handle.py, ...) and load second copies of them under apex's names.
+    "apex.amp.frontend": "ampinit.frontend",
+    "apex.amp.handle": "ampinit.apex.amp_submodules",
+    "apex.amp.amp": "ampinit.apex.amp_submodules",
+    "apex.amp._initialize": "ampinit.apex.amp_submodules",
+    "apex.amp.scaler": "ampinit.apex.amp_submodules",
     "apex.optimizers": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_adam": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_sgd": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_lamb": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_novograd": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_adagrad": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_mixed_precision_lamb": "ampinit.apex.optimizers",
     "apex.parallel": "ampinit.apex.parallel",
     "apex.parallel.distributed": "ampinit.apex.parallel",
     "apex.parallel.LARC": "ampinit.apex.parallel",
     "apex.parallel.optimized_sync_batchnorm": "ampinit.apex.parallel",
+    "apex.parallel.sync_batchnorm": "ampinit.apex.parallel",
+    "apex.parallel.multiproc": "ampinit.apex.multiproc",
     "apex.fp16_utils": "ampinit.apex.fp16_utils",
+    "apex.fp16_utils.fp16_optimizer": "ampinit.apex.fp16_utils",
+    "apex.fp16_utils.fp16util": "ampinit.apex.fp16_utils",
+    "apex.fp16_utils.loss_scaler": "ampinit.apex.loss_scaler",
     "apex.multi_tensor_apply": "ampinit.apex.multi_tensor_apply",
     "amp_C": "ampinit.apex.amp_C",
     "apex_C": "ampinit.apex.apex_C",
 }
+# Modules of a real apex that run a program when imported: probed with find_spec, not imported.
+_RUN_ON_IMPORT = frozenset({"apex.parallel.multiproc"})
 # Names a partly installed real apex may lack inside modules it does have.
 _ATTRIBUTES = {"apex.parallel": ("DistributedDataParallel", "Reducer", "flat_dist_call", "convert_syncbn_model",
                                  "SyncBatchNorm", "LARC")}
@@ -105,8 +130,10 @@ def _real_apex() -> Optional[types.ModuleType]:
 
 def _importable(name: str) -> bool:
     try:
+        if name in _RUN_ON_IMPORT:
+            return importlib.util.find_spec(name) is not None
         importlib.import_module(name)
-    except ImportError:
+    except (ImportError, ValueError):
         return False
     return True
 
@@ -135,8 +162,10 @@ def install_apex_alias() -> Dict[str, str]:
         module = importlib.import_module(target)
         sys.modules[name] = module
         holder = sys.modules.get(parent) if parent else None
-        if holder is not None and child != "_amp_state" and (result.get(parent) == "ampinit"
-                                                              or not hasattr(holder, child)):
+        # Nothing is set on the ampinit package itself (apex.amp): its attributes `handle`,
+        # `scaler`, `_amp_state` are ampinit's own modules and objects.
+        if holder is not None and getattr(holder, "__name__", None) != "ampinit" \
+                and (result.get(parent) == "ampinit" or not hasattr(holder, child)):
             setattr(holder, child, _attribute_for(name, module))
         result[name] = "ampinit"
     if real is not None:

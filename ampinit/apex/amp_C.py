@@ -37,7 +37,11 @@ tensors, and the loss-scale update is ``torch.where`` on the device.
 - ``multi_tensor_scale`` also takes ``scale`` as a 1-element tensor (used without a sync);
   ``multi_tensor_unscale_l2norm`` also takes ``inv_scale`` as a Python float.
 - Tensors may be on the CPU, non-contiguous, float64 (on the fallback path) or in any number.
-- apex's other ops (``multi_tensor_adam``, ``_sgd``, ``_lamb``, ``_novograd``, ``_adagrad``,
+- :func:`multi_tensor_adam`: apex's (non-capturable) Adam/AdamW step over
+  ``[grads, params, exp_avgs, exp_avg_sqs]``, with torch ops in float32, for optimizers written
+  against apex that call it themselves (fairseq's ``FusedAdamV2`` reads
+  ``FusedAdam.multi_tensor_adam``).
+- apex's other ops (``multi_tensor_adam_capturable``, ``_sgd``, ``_lamb``, ``_novograd``, ``_adagrad``,
   ``_l2norm_mp``, ...) are not defined, so ``hasattr(amp_C, name)`` is False and code that
   probes for them takes its fallback; using one raises ``AttributeError`` naming the
   replacement.
@@ -53,7 +57,7 @@ from .. import ops
 from .multi_tensor_apply import check_tensor_lists
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_unscale_l2norm",
-           "update_scale_hysteresis"]
+           "update_scale_hysteresis", "multi_tensor_adam"]
 
 TensorLists = Sequence[Sequence[torch.Tensor]]
 
@@ -249,7 +253,6 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
 
 # apex's other amp_C ops, with what replaces them here.
 _REPLACED = {
-    "multi_tensor_adam": "ampinit.optim.FusedAdam (apex.optimizers.FusedAdam under the alias) or torch.optim.Adam",
     "multi_tensor_adam_capturable": "ampinit.optim.FusedAdam (apex.optimizers.FusedAdam under the alias) or "
                                     "torch.optim.Adam(capturable=True)",
     "multi_tensor_adam_capturable_master": "ampinit.optim.FusedAdam with ampinit.initialize's master weights "
@@ -266,6 +269,41 @@ _REPLACED = {
     "multi_tensor_l2norm_scale": "amp_C.multi_tensor_l2norm followed by amp_C.multi_tensor_scale",
     "scale_check_overflow": "amp_C.multi_tensor_scale (apex removed scale_check_overflow itself)",
 }
+
+
+@_checks_lists
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, lr: float, beta1: float,
+                      beta2: float, epsilon: float, step: Union[int, torch.Tensor], mode: int, bias_correction: int,
+                      weight_decay: float) -> None:
+    """apex's ``multi_tensor_adam``: one Adam step, in place, on ``tensor_lists = [grads, params,
+    exp_avgs, exp_avg_sqs]``.
+
+    With ``bc1 = 1 - beta1**step`` and ``bc2 = 1 - beta2**step`` (both 1 unless
+    ``bias_correction``), in float32 for each element: ``mode=0`` (Adam, L2 penalty) first adds
+    ``weight_decay * p`` to the gradient; then ``m = beta1*m + (1-beta1)*g``,
+    ``v = beta2*v + (1-beta2)*g*g``, ``u = (m/bc1) / (sqrt(v/bc2) + epsilon)``, plus
+    ``weight_decay * p`` with ``mode=1`` (AdamW), and ``p = p - lr*u``.  Each result is rounded
+    to its tensor's dtype.  As in apex, ``noop_flag`` is neither read nor set, the gradients are
+    not modified, and ``step`` is the caller's count (the step being taken, from 1).
+    """
+    check_tensor_lists(noop_flag, tensor_lists, 4, "amp_C.multi_tensor_adam", floating=True)
+    if mode not in (0, 1):  # FusedAdam.adam_w_mode, a bool in ampinit, is passed here as is
+        raise ValueError(f"amp_C.multi_tensor_adam: mode must be 0 (Adam, L2 penalty) or 1 (AdamW); got {mode!r}")
+    step = float(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
+    bc1, bc2 = (1.0 - beta1 ** step, 1.0 - beta2 ** step) if bias_correction else (1.0, 1.0)
+    with torch.no_grad():
+        for grad, param, exp_avg, exp_avg_sq in zip(*tensor_lists):
+            g, p, m, v = (t.float() for t in (grad, param, exp_avg, exp_avg_sq))
+            if mode == 0 and weight_decay != 0:
+                g = g + weight_decay * p
+            m = beta1 * m + (1.0 - beta1) * g
+            v = beta2 * v + (1.0 - beta2) * g * g
+            update = (m / bc1) / (torch.sqrt(v / bc2) + epsilon)
+            if mode == 1 and weight_decay != 0:
+                update = update + weight_decay * p
+            param.copy_(p - lr * update)
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ skipped step on overflow, the master -> model copy after each step.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,18 +19,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..handle import AmpHandle
 from ..opt_levels import resolve_config
 from ..optimizer import binding_of
+from .loss_scaler import DynamicLossScaler, LossScaler, to_python_float
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params",
-           "clip_grad_norm", "FP16_Optimizer"]
+           "clip_grad_norm", "FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
 logger = logging.getLogger("ampinit")
+# apex's DynamicLossScaler defaults; it had no ceiling: the largest power of two in float32.
+_APEX_INIT_SCALE = 2.0 ** 32
+_APEX_SCALE_WINDOW = 1000
+_NO_CEILING = 2.0 ** 127
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
-
-
-def to_python_float(t: Any) -> float:
-    """A one-element tensor's value as a Python number (a sync on CUDA)."""
-    return t.item() if hasattr(t, "item") else t[0]
 
 
 class tofp16(nn.Module):  # noqa: N801 (apex's name)
@@ -139,10 +140,21 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     ``backward(loss)`` scales the loss, backpropagates and unscales into the masters (with
     ``update_master_grads=False`` the gradients stay scaled until :meth:`update_master_grads`,
     for accumulation); ``step()`` skips an overflowing step (and lowers a dynamic scale), else
-    updates the masters and copies them into the model.  ``static_loss_scale`` or
-    ``dynamic_loss_scale=True`` with ``dynamic_loss_args`` (``init_scale``, ``scale_window``,
-    ``min_loss_scale``, ``max_loss_scale``; apex's ``scale_factor`` is accepted and, as in apex,
-    the factor is 2).  ``closure`` in ``step`` is not supported.
+    updates the masters and copies them into the model.  ``closure`` in ``step`` is not supported.
+
+    ``static_loss_scale``, or ``dynamic_loss_scale=True`` with ``dynamic_loss_args``: the scale
+    follows apex's ``DynamicLossScaler`` (``init_scale`` 2**32, ``scale_factor`` 2,
+    ``scale_window`` 1000): on an overflow it becomes ``max(scale / scale_factor, 1)``, and it is
+    multiplied by ``scale_factor`` after ``scale_window`` clean steps.  ampinit adds
+    ``min_loss_scale`` (default 1, apex's floor) and ``max_loss_scale`` (default 2**127, float32's
+    largest power of two; apex had none).  As everywhere in ampinit, ``step()`` raises after 16
+    consecutive skipped steps at the floor, where apex skipped forever.
+
+    ``load_state_dict`` takes this class's ``state_dict()`` and apex's: apex pickled its
+    ``LossScaler``/``DynamicLossScaler`` object (importable as
+    ``apex.fp16_utils.loss_scaler`` under the alias) and saved ``fp32_from_fp16`` as one list
+    per param group.  As in apex, the checkpoint's scaler replaces this one: its scale, its
+    counters, and a dynamic one's ``scale_factor`` and ``scale_window``.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -158,15 +170,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
             raise ValueError("FP16_Optimizer needs an optimizer with parameters")
         scaling: Dict[str, Any] = {"loss_scale": "dynamic" if dynamic_loss_scale else static_loss_scale}
         if dynamic_loss_scale:
-            args = dict(dynamic_loss_args or {})
-            args.pop("scale_factor", None)  # apex's LossScaler ignores it: the factor is 2
-            unknown = set(args) - {"init_scale", "scale_window", "min_loss_scale", "max_loss_scale"}
-            if unknown:
-                raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex took init_scale, scale_factor, "
-                                 "scale_window, min_loss_scale, max_loss_scale")
-            if "scale_window" in args:
-                scaling["growth_interval"] = args.pop("scale_window")
-            scaling.update(args)
+            scaling.update(self._dynamic_scaling(dynamic_loss_args or {}))
         elif dynamic_loss_args:
             raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
         config = resolve_config("O2", cast_model_type=False, verbosity=1 if verbose else 0, **scaling)
@@ -174,6 +178,23 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)
         self._binding = binding_of(init_optimizer)
         self._scaler = self._handle.loss_scalers[0]
+
+    @staticmethod
+    def _dynamic_scaling(dynamic_loss_args: Dict[str, Any]) -> Dict[str, Any]:
+        """ampinit's scaler options for apex's ``DynamicLossScaler(**dynamic_loss_args)``."""
+        args = dict(dynamic_loss_args)
+        unknown = set(args) - {"init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale"}
+        if unknown:
+            raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex's DynamicLossScaler takes "
+                             "init_scale, scale_factor and scale_window (ampinit adds min_loss_scale, max_loss_scale)")
+        factor = args.pop("scale_factor", 2.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+            raise ValueError(f"dynamic_loss_args: scale_factor must be a finite number >= 1; got {factor!r}")
+        return {"init_scale": args.pop("init_scale", _APEX_INIT_SCALE),
+                "growth_interval": args.pop("scale_window", _APEX_SCALE_WINDOW),
+                "growth_factor": float(factor), "backoff_factor": 1.0 / float(factor),
+                "min_loss_scale": args.pop("min_loss_scale", 1.0),
+                "max_loss_scale": args.pop("max_loss_scale", _NO_CEILING)}
 
     # -- apex's API -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
@@ -254,26 +275,64 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
                 "fp32_from_fp16": [p.detach().clone() for p in self.all_fp32_from_fp16_params]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the model takes the masters' rounding."""
+        """Restore :meth:`state_dict` output, or what apex's ``FP16_Optimizer.state_dict()``
+        saved (its pickled ``LossScaler``/``DynamicLossScaler`` object, and ``fp32_from_fp16``
+        as one list of masters per param group); the model takes the masters' rounding."""
         if not isinstance(state_dict, dict) or "optimizer_state_dict" not in state_dict:
             raise ValueError("not an FP16_Optimizer state_dict (no 'optimizer_state_dict')")
         scaler_state = state_dict.get("loss_scaler")
+        # apex's scaler object (ours from apex.fp16_utils.loss_scaler, or a real apex's class).
+        apex_scaler = not isinstance(scaler_state, dict) and hasattr(scaler_state, "cur_scale")
+        if apex_scaler:
+            scaler_state = self._from_apex_scaler(scaler_state)
         masters = state_dict.get("fp32_from_fp16", [])
+        if all(isinstance(group, (list, tuple)) for group in masters):  # apex: one list per param group
+            masters = [master for group in masters for master in group]
         mine = self.all_fp32_from_fp16_params
         if len(masters) != len(mine) or any(a.shape != b.shape for a, b in zip(masters, mine)):
             raise ValueError("the checkpoint's fp32_from_fp16 masters do not match this optimizer's parameters")
         if isinstance(scaler_state, dict):
             self._scaler.check_state_dict(scaler_state)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        if apex_scaler:
+            self._apply_apex_scaler(state_dict["loss_scaler"])
         if isinstance(scaler_state, dict):
             self._scaler.load_state_dict(scaler_state)
         else:
-            logger.warning("ampinit: FP16_Optimizer checkpoint without a loss scaler state dict (apex pickled its "
-                           "LossScaler object); keeping the current loss scale")
+            logger.warning("ampinit: FP16_Optimizer checkpoint without a loss scaler state (%s); keeping the current "
+                           "loss scale", type(scaler_state).__name__)
         with torch.no_grad():
             for master, value in zip(mine, masters):
                 master.copy_(value)
         self._handle.masters.copy_to_model(mine)
+
+    @staticmethod
+    def _is_dynamic_apex_scaler(scaler: Any) -> bool:
+        return all(hasattr(scaler, key) for key in ("cur_iter", "last_overflow_iter", "scale_factor", "scale_window"))
+
+    def _from_apex_scaler(self, scaler: Any) -> Dict[str, Any]:
+        """The state dict of ampinit's scaler that continues apex's ``scaler`` object."""
+        dynamic = self._is_dynamic_apex_scaler(scaler)
+        if dynamic != self._scaler.dynamic:
+            saved, mine = ("dynamic" if dynamic else "static"), ("dynamic" if self._scaler.dynamic else "static")
+            raise ValueError(f"the checkpoint's loss scale is {saved} but this FP16_Optimizer's is {mine}; construct "
+                             f"it with dynamic_loss_scale={dynamic} to load it")
+        state: Dict[str, Any] = {"loss_scale": float(scaler.cur_scale), "unskipped": 0}
+        if dynamic:
+            # apex grows at the update where (cur_iter - last_overflow_iter) % scale_window == 0;
+            # ampinit when its count of clean steps reaches the window.
+            state["unskipped"] = (scaler.cur_iter - scaler.last_overflow_iter - 1) % scaler.scale_window
+        return state
+
+    def _apply_apex_scaler(self, scaler: Any) -> None:
+        """apex replaced its scaler with the checkpoint's: take its factor and window, or its
+        static scale, too."""
+        if self._is_dynamic_apex_scaler(scaler):
+            self._scaler.set_growth_interval(int(scaler.scale_window))
+            self._scaler.growth_factor = float(scaler.scale_factor)
+            self._scaler.backoff_factor = 1.0 / float(scaler.scale_factor)
+        else:
+            self._scaler.set_scale(float(scaler.cur_scale))
 
     def __getstate__(self) -> dict:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")

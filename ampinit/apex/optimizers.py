@@ -275,10 +275,13 @@ class FusedNovoGrad(_ForeachOptimizer):
     ``state[p]['exp_avg_sq']`` (v, a 0-dim FP32 tensor on ``p``'s device); the step count is
     ``group['step']``.  ``load_state_dict`` moves both to the param's device, in FP32.
 
-    Differences from apex: apex keeps the per-tensor norms in ``group['exp_avg_sq']`` as two
-    lists (fp16 params, fp32 params), so its checkpoints' optimizer state does not load here;
-    ``p.grad`` is never modified; a group without gradients does not advance its step; float64
-    params raise ``TypeError``.  ``amsgrad=True`` raises ``ValueError`` as in apex.
+    apex keeps the per-tensor norms in ``group['exp_avg_sq']``, as two tensors (one norm per
+    float16 param, then one per float32 param, each in the group's order); ``load_state_dict``
+    moves such norms into each param's state, so apex checkpoints continue exactly.
+
+    Differences from apex: ``p.grad`` is never modified; a group without gradients does not
+    advance its step; float64 params raise ``TypeError``.  ``amsgrad=True`` raises
+    ``ValueError`` as in apex.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
@@ -357,6 +360,34 @@ class FusedNovoGrad(_ForeachOptimizer):
         torch._foreach_add_(params32, updates, alpha=-lr)
         self._write_back(params, params32)
 
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As :meth:`_ForeachOptimizer.load_state_dict`; an apex checkpoint's per-group norms
+        (``group['exp_avg_sq']``) become the per-param ``exp_avg_sq`` this class keeps."""
+        super().load_state_dict(state_dict)
+        for index, group in enumerate(self.param_groups):
+            self._adopt_group_norms(index, group)
+
+    def _adopt_group_norms(self, index: int, group: dict) -> None:
+        norms = group.pop("exp_avg_sq", None)
+        if norms is None:
+            return
+        if not isinstance(norms, (list, tuple)) or len(norms) != 2:
+            raise ValueError(f"FusedNovoGrad cannot load param group {index}: its 'exp_avg_sq' should be apex's "
+                             f"[float16 norms, float32 norms], got {type(norms).__name__}")
+        # apex listed the params that had a gradient (and so, state), float16 ones first.
+        stepped = [p for p in group["params"] if "exp_avg" in self.state.get(p, {})]
+        halves = [p for p in stepped if p.dtype == torch.float16]
+        others = [p for p in stepped if p.dtype != torch.float16]
+        for params, values, kind in ((halves, norms[0], "float16"), (others, norms[1], "float32")):
+            count = 0 if values is None else values.numel()
+            if count != len(params):
+                raise ValueError(f"FusedNovoGrad cannot load param group {index}: apex saved {count} {kind} norms "
+                                 f"for {len(params)} {kind} params with state. Load it into an optimizer built "
+                                 "over the same parameters, in the same order and dtypes")
+            for param, value in zip(params, () if values is None else values.detach().reshape(-1).unbind()):
+                self.state[param].setdefault("exp_avg_sq", value.to(device=param.device, dtype=torch.float32,
+                                                                    copy=True))
 
     @staticmethod
     def _grad_norms(grads: List[torch.Tensor], max_norm: bool) -> List[torch.Tensor]:
