@@ -167,11 +167,29 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
         torch._foreach_copy_(group_outputs, group_inputs)
 
 
-def adopt_changes_(masters: Tensors, models: Tensors) -> None:
-    """Masters take the model's values where the model no longer holds their rounding."""
-    for master, model in zip(masters, models):
+def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tensor] = None) -> None:
+    """Masters take the model's values where the model no longer holds their rounding (for the
+    tensors whose ``only`` flag is non-zero, when given)."""
+    for i, (master, model) in enumerate(zip(masters, models)):
         changed = model.ne(master.to(model.dtype))
+        if only is not None:
+            changed &= only[i].ne(0)
         torch.where(changed, model, master, out=master)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASK32 = 0xFFFFFFFF
+
+
+def fingerprint(inputs: Tensors) -> torch.Tensor:
+    """See ``ampinit.ops.fingerprint`` (int64 arithmetic wraps mod 2**64, a multiple of 2**32)."""
+    out = []
+    for tensor in inputs:
+        bits = tensor.detach().contiguous().reshape(-1).view(_BITS[tensor.element_size()]).to(torch.int64)
+        bits &= (1 << (8 * tensor.element_size())) - 1 if tensor.element_size() < 8 else -1
+        weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1
+        out.append((((bits + 1) * weights) & _MASK32).sum() & _MASK32)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,

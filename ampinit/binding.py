@@ -132,6 +132,8 @@ class OptimizerBinding:
             # The step may have been skipped, which only the device knows: no gradient of it may
             # be added to the next one, so they are all dropped, as after a skip.
             flow.drop_all_grads()
+            if flow.masters is not None:
+                flow.masters.mark(flow.models())  # the kernel wrote them
         else:
             self.skips_at_floor = 0
             if flow.masters is not None:

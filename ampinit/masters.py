@@ -12,11 +12,16 @@ keeps an FP32 value here, in the storage it had before the cast (no copy is made
 
 Writes to the model from outside ampinit are adopted, so the model stays the truth for them:
 ``model.load_state_dict``, DDP's broadcast of rank 0's weights, an in-place update under
-``no_grad`` or through ``tensor.data`` (WGAN's weight clipping).  Before every optimizer update,
-and whenever an FP32 value is read (``model.state_dict()``, ``end``, ``add_param_group``), each
-master whose model tensor no longer holds the master's rounding takes the model's value, element
-by element (``ops.adopt_changes_``: one pass that reads the model and its masters, about 6 bytes
-per parameter per step).  Every other element keeps its FP32 precision.
+``no_grad`` or through ``tensor.data`` (WGAN's weight clipping).  Each time ampinit writes or
+reads the model it marks each tensor with its version counter, storage and fingerprint
+(``ops.fingerprint``, which any changed element changes; ``.data`` writes change only that).
+Before every optimizer update, and whenever an FP32 value is read (``model.state_dict()``,
+``end``, ``amp.master_params``, ``add_param_group``), each model tensor whose mark changed
+was written: its master takes the model's value element by element wherever the model no
+longer holds the master's rounding (``ops.adopt_changes_``), and every other element keeps its
+FP32 precision.  A master written by the user (clamping ``amp.master_params``) is left alone,
+and the model gets its rounding at the next step.  Cost: a fingerprint pass over the model
+after each step's copy and before each update (2 bytes per 16-bit parameter each).
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
@@ -26,7 +31,7 @@ weights.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -57,6 +62,8 @@ class MasterWeights:
         self._cast_dtype = dict(cast_dtypes)
         self._names = names
         self._compared_once = False
+        # model tensor -> (version, data_ptr, fingerprint) when ampinit last wrote or read it
+        self._marks: Dict[torch.Tensor, Tuple[int, int, torch.Tensor]] = {}
         self._loaded = False
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
@@ -109,6 +116,7 @@ class MasterWeights:
             self._added.discard(param)
             master = self._value.pop(param)
             self._model_of.pop(master, None)
+            self._marks.pop(param, None)
             self._cast_dtype.pop(param, None)
 
     # -- model -> masters ------------------------------------------------------------------------
@@ -128,22 +136,26 @@ class MasterWeights:
                     "Cast and move the model before ampinit.initialize, or call ampinit.end(model) first")
 
     def sync(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
-        """Adopt writes to the model made since ampinit last wrote it (see the module docstring)
-        for ``tensors`` (default: all): one pass over them and their masters.  The first call,
-        at the first backward, compares every cast tensor; under ``torch.distributed`` it sets
-        the masters that optimizers update to the model's values instead (unless a checkpoint
-        was loaded).  No host sync."""
+        """Adopt writes to the model made since ampinit last marked it (see the module
+        docstring) for ``tensors`` (default: all).  The first call, at the first backward,
+        compares every cast tensor; under ``torch.distributed`` it sets the masters that
+        optimizers update to the model's values instead (unless a checkpoint was loaded).
+        No host sync."""
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)
             self.check_model(tensors)
             from_model = self._updated if _distributed_world() and not self._loaded else set()
-            self._adopt([t for t in tensors if t not in from_model], compare=True)
-            self._adopt([t for t in tensors if t in from_model], compare=False)
+            self._adopt([t for t in tensors if t not in from_model])
+            with torch.no_grad():
+                for tensor in tensors:
+                    if tensor in from_model:
+                        self._value[tensor].copy_(tensor)
+            self.mark(tensors)
             return
         tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
         self.check_model(tensors)
-        self._adopt(tensors, compare=True)
+        self._adopt_written(tensors)
 
     def start(self) -> None:
         """At every backward: the first one compares every value (see :meth:`sync`); later
@@ -151,16 +163,32 @@ class MasterWeights:
         if not self._compared_once:
             self.sync()
 
-    def _adopt(self, tensors: List[torch.Tensor], compare: bool) -> None:
-        if not tensors:
+    def _adopt_written(self, tensors: List[torch.Tensor]) -> None:
+        """Adopt the model's values into the masters of the tensors whose mark changed."""
+        restamped = [t for t in tensors if t not in self._marks or self._marks[t][:2] != (t._version, t.data_ptr())]
+        self._adopt(restamped)
+        self.mark(restamped)
+        same = [t for t in tensors if t not in set(restamped)] if restamped else tensors
+        if not same:
             return
-        values = [self._value[t] for t in tensors]
+        now = ops.fingerprint(same)
+        written = now.ne(torch.stack([self._marks[t][2] for t in same])).float()
         with torch.no_grad():
-            if compare:
-                ops.adopt_changes_(values, tensors)
-            else:
-                for tensor, value in zip(tensors, values):
-                    value.copy_(tensor)
+            ops.adopt_changes_([self._value[t] for t in same], same, only=written)
+        for tensor, fingerprint in zip(same, now):
+            self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
+
+    def _adopt(self, tensors: List[torch.Tensor]) -> None:
+        if tensors:
+            with torch.no_grad():
+                ops.adopt_changes_([self._value[t] for t in tensors], tensors)
+
+    def mark(self, tensors: List[torch.Tensor]) -> None:
+        """These model tensors are as ampinit last wrote or read them (one fingerprint pass)."""
+        tensors = [t for t in tensors if t in self._value]
+        if tensors:
+            for tensor, fingerprint in zip(tensors, ops.fingerprint(tensors)):
+                self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
 
     def mark_loaded(self) -> None:
         """A checkpoint was loaded into FP32 values (``load_state_dict``): under
@@ -174,14 +202,19 @@ class MasterWeights:
         if models:
             with torch.no_grad():
                 ops.copy_(models, masters)
+            self.mark(models)
 
     def restore(self) -> None:
         """``end()``: every cast tensor takes its FP32 value back, adopting writes to the model
         first where it still has the dtype and device ampinit gave it."""
         kept = [t for t in self._value if t.dtype == self._cast_dtype[t] and t.device == self._value[t].device]
-        self._adopt(kept, compare=True)
+        if self._compared_once:
+            self._adopt_written(kept)
+        else:
+            self._adopt(kept)
         with torch.no_grad():
             for tensor, value in self._value.items():
                 tensor.data = value.data
         self._value.clear()
         self._model_of.clear()
+        self._marks.clear()

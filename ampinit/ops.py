@@ -208,19 +208,35 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
         _fallback.copy_(outputs, inputs)
 
 
-def adopt_changes_(masters: Tensors, models: Tensors) -> None:
+def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tensor] = None) -> None:
     """``masters[i] = models[i]`` element by element wherever ``models[i]`` no longer holds
     ``masters[i]`` rounded to its dtype: a write to the model from outside ampinit (through
     ``.data`` included) is adopted, and every other element keeps its FP32 value.  Masters are
-    float32.  One pass reading both (the CPU kernel writes only the vectors that changed).
-    No sync."""
+    float32.  ``only`` (float32, one flag per tensor, on their device) limits it to the tensors
+    whose flag is non-zero.  One pass reading both (the CPU kernel writes only the vectors that
+    changed).  No sync."""
     if not models:
         return
+    _check_flags_device("adopt_changes_", models, only)
     kernels, models, masters = _route_pairs("adopt_changes_", models[0].device, models, masters)
     if kernels:
-        torch.ops.ampinit.adopt_changes_(list(masters), list(models))
+        torch.ops.ampinit.adopt_changes_(list(masters), list(models), only)
     else:
-        _fallback.adopt_changes_(masters, models)
+        _fallback.adopt_changes_(masters, models, only)
+
+
+def fingerprint(inputs: Tensors) -> torch.Tensor:
+    """One int64 per tensor (in [0, 2**32)): the sum over its elements, in order, of
+    ``(bits + 1) * (2 * index + 1)`` mod 2**32, the bits read as an unsigned 16- or 32-bit
+    integer.  Any change to one element changes it (the weights are odd), so it tells a tensor
+    written since it was taken, through ``.data`` included, at 2 or 4 bytes read per element.
+    On the device of the inputs.  No sync.  (CPU kernel; on other devices the torch fallback.)"""
+    inputs = list(inputs)
+    if not inputs:
+        return torch.zeros(0, dtype=torch.int64)
+    if inputs[0].device.type == "cpu" and _use_kernels(inputs[0].device, inputs):
+        return torch.ops.ampinit.fingerprint(inputs)
+    return _fallback.fingerprint(inputs)
 
 
 def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:

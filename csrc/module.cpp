@@ -24,7 +24,8 @@ TORCH_LIBRARY(ampinit, m) {
   m.def("accumulate_(Tensor[] inputs, Tensor(a!)[] outputs, Tensor inv_scale, Tensor(b!) found_inf, "
         "float out_weight=1.0) -> ()");
   m.def("copy_(Tensor(a!)[] outputs, Tensor[] inputs) -> ()");
-  m.def("adopt_changes_(Tensor(a!)[] masters, Tensor[] models) -> ()");
+  m.def("adopt_changes_(Tensor(a!)[] masters, Tensor[] models, Tensor? only=None) -> ()");
+  m.def("fingerprint(Tensor[] inputs) -> Tensor");
   m.def("check_finite_(Tensor[] inputs, Tensor(a!) found_inf, Tensor(b!)? per_tensor_found_inf=None) -> ()");
   m.def("l2norm(Tensor[] inputs, bool per_tensor=False) -> (Tensor, Tensor)");
   m.def("update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "

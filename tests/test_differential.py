@@ -40,7 +40,8 @@ OPTIMIZERS = {
                       lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3, weight_decay=1e-2, fused=True)),
 }
 SCHEDULES = ["none", "before", "after"]
-PATTERNS = ["plain", "two_losses", "accumulate_delayed", "accumulate", "clip", "exception", "overflow", "clamp"]
+PATTERNS = ["plain", "two_losses", "accumulate_delayed", "accumulate", "clip", "exception", "overflow", "clamp",
+            "clamp_masters"]
 
 
 class Net(nn.Module):
@@ -100,6 +101,11 @@ class Ampinit:
         for p in self.model.parameters():
             if p.requires_grad:
                 p.data.clamp_(-bound, bound)
+
+    def clamp_masters(self, bound):
+        """The apex way at O2: clip the FP32 masters (the model gets them at the next step)."""
+        for p in amp.master_params(self.opt):
+            p.data.clamp_(-bound, bound)
 
     def result(self):
         return {"masters": [p.detach().float().clone() for p in amp.master_params(self.opt)],
@@ -216,6 +222,11 @@ class Reference:
                 self.master_of.get(p, p).clamp_(-bound, bound)
                 p.copy_(self.master_of.get(p, p))
 
+    def clamp_masters(self, bound):
+        with torch.no_grad():
+            for p in self.trained:
+                self.master_of.get(p, p).clamp_(-bound, bound)
+
     def result(self):
         state = {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
         for name, p in self.model.named_parameters():
@@ -267,6 +278,8 @@ def run_script(api_cls, pattern, level, optimizer, style, schedule):
         api.step()
         if pattern == "clamp":
             api.clamp(0.125)  # a power of two: the same bound in every dtype
+        elif pattern == "clamp_masters":
+            api.clamp_masters(0.1)
     return api.result()
 
 

@@ -102,6 +102,41 @@ def test_adopt_changes_kernel_takes_exactly_the_changed_elements(model_dtype, de
     assert torch.equal(unchanged[0], before)  # nothing written: every FP32 digit kept
 
 
+@pytest.mark.parametrize("model_dtype", DTYPES)
+def test_adopt_changes_only_touches_flagged_tensors(model_dtype, device):
+    _kernels_for(device)
+    g = torch.Generator().manual_seed(8)
+    masters = [torch.randn(n, generator=g).to(device) for n in (5, 4097, 70000)]
+    models = [(m + 1).to(model_dtype) for m in masters]  # every element differs
+    expected = [m.clone() for m in masters]
+    expected[1] = models[1].float()
+    only = torch.tensor([0.0, 1.0, 0.0], device=device)
+    fallback = [m.clone() for m in masters]
+    _fallback.adopt_changes_(fallback, models, only)
+    torch.ops.ampinit.adopt_changes_(masters, models, only)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(masters, expected, fallback))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fingerprint_equals_fallback_and_sees_every_single_change(dtype):
+    """Bitwise the fallback's formula; one changed element anywhere (the vector body, the tail,
+    a chunk boundary), a sign flip or a swap of two elements changes it; non-contiguous inputs
+    are read in logical order."""
+    g = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(n, generator=g).to(dtype) for n in SIZES] + [torch.randn(64, 48, generator=g).to(dtype).t()]
+    base = torch.ops.ampinit.fingerprint(tensors)
+    assert torch.equal(base, _fallback.fingerprint(tensors))
+    big = tensors[6]
+    for index in (0, 15, 32767, 32768, big.numel() - 1):
+        changed = big.clone()
+        changed[index] = changed[index] + 1
+        assert torch.ops.ampinit.fingerprint([changed]) != base[6], index
+    assert torch.ops.ampinit.fingerprint([-big]) != base[6]
+    swapped = big.clone()
+    swapped[[3, 4]] = big[[4, 3]]
+    assert big[3] == big[4] or torch.ops.ampinit.fingerprint([swapped]) != base[6]
+
+
 def test_update_scale_kernel_equals_fallback(device):
     _kernels_for(device)
     g = torch.Generator().manual_seed(9)

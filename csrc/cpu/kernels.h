@@ -176,6 +176,17 @@ void adopt(const Model* model, float* master, int64_t n) {
   });
 }
 
+// See KernelTable::fingerprint.  Unsigned arithmetic wraps, so the compiler may vectorize the sum.
+template <typename Bits>
+uint32_t fingerprint(const Bits* x, int64_t n, int64_t base) {
+  const uint32_t first_weight = 2u * static_cast<uint32_t>(base) + 1u;
+  uint32_t sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    sum += (static_cast<uint32_t>(x[j]) + 1u) * (first_weight + 2u * static_cast<uint32_t>(j));
+  }
+  return sum;
+}
+
 template <typename In>
 bool check(const In* x, int64_t n) {
   FloatVec lo_max(0.0f), hi_max(0.0f);
@@ -341,6 +352,10 @@ inline const KernelTable& table(const char* name) {
       },
       [](c10::ScalarType model_type, const void* model, float* master, int64_t n) {
         with_type(model_type, [&](auto m) { adopt(static_cast<const decltype(m)*>(model), master, n); });
+      },
+      [](int64_t element_size, const void* x, int64_t n, int64_t base) {
+        return element_size == 2 ? fingerprint(static_cast<const uint16_t*>(x), n, base)
+                                 : fingerprint(static_cast<const uint32_t*>(x), n, base);
       },
       [](c10::ScalarType in, const void* x, int64_t n) {
         return with_type(in, [&](auto i) {

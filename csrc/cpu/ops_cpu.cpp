@@ -145,19 +145,43 @@ void copy_(at::TensorList outputs, at::TensorList inputs) {
   rows.finish();
 }
 
-void adopt_changes_(at::TensorList masters, at::TensorList models) {
+void adopt_changes_(at::TensorList masters, at::TensorList models, const std::optional<at::Tensor>& only) {
   check_same_length("adopt_changes_", "masters", masters.size(), "models", models.size());
+  check_per_tensor("adopt_changes_", only, models.size());
   for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], at::kCPU);
   DenseRows rows({models.vec(), masters.vec()}, {false, true});
   const auto& model = rows.list(0);
   const auto& master = rows.list(1);
+  const float* selected = only ? only->data_ptr<float>() : nullptr;
   const auto& k = kernels();
   for_each_chunk(model, [&](const Chunk& c) {
-    k.adopt(model[c.tensor].scalar_type(), at_offset(model[c.tensor], c.begin),
-            at_offset<float>(master[c.tensor], c.begin), c.size);
+    if (selected == nullptr || selected[c.tensor] != 0.0f) {
+      k.adopt(model[c.tensor].scalar_type(), at_offset(model[c.tensor], c.begin),
+              at_offset<float>(master[c.tensor], c.begin), c.size);
+    }
     return false;
   });
   rows.finish();
+}
+
+at::Tensor fingerprint(at::TensorList inputs) {
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("fingerprint", i, {inputs[i]}, at::kCPU);
+  std::vector<at::Tensor> in;  // logical order: a dense transposed tensor is read as its copy would be
+  in.reserve(inputs.size());
+  for (const auto& tensor : inputs) in.push_back(tensor.contiguous());
+  std::vector<std::atomic<uint32_t>> sums(in.size());
+  for (auto& sum : sums) sum.store(0, std::memory_order_relaxed);
+  const auto& k = kernels();
+  for_each_chunk(in, [&](const Chunk& c) {
+    sums[c.tensor].fetch_add(k.fingerprint(in[c.tensor].element_size(), at_offset(in[c.tensor], c.begin), c.size,
+                                           c.begin),
+                             std::memory_order_relaxed);  // wrapping: the chunks' order does not matter
+    return false;
+  });
+  auto out = at::empty({static_cast<int64_t>(in.size())}, at::kLong);
+  auto* values = out.data_ptr<int64_t>();
+  for (size_t t = 0; t < in.size(); ++t) values[t] = sums[t].load(std::memory_order_relaxed);
+  return out;
 }
 
 void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std::optional<at::Tensor>& per_tensor) {
@@ -355,6 +379,7 @@ TORCH_LIBRARY_IMPL(ampinit, CPU, m) {
   m.impl("accumulate_", &accumulate_);
   m.impl("copy_", &copy_);
   m.impl("adopt_changes_", &adopt_changes_);
+  m.impl("fingerprint", &fingerprint);
   m.impl("check_finite_", &check_finite_);
   m.impl("l2norm", &l2norm);
   m.impl("update_scale_", &update_scale_);

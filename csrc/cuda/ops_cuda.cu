@@ -134,8 +134,10 @@ struct CopyFunctor {
 // outside ampinit, adopted); NaN differs from everything.  Master is float32 (checked on the host).
 template <typename Model, typename Master>
 struct AdoptFunctor {
+  const float* only;  // per-tensor: 0 skips the tensor (may be null: every tensor)
   template <typename Meta>
   __device__ void operator()(const Meta& meta, int t, int64_t chunk) const {
+    if (only != nullptr && only[meta.tensor_index[t]] == 0.0f) return;  // uniform over the block
     const ChunkRange range(meta.sizes[t], chunk);
     const Model* model_ptr = static_cast<const Model*>(meta.addresses[0][t]) + range.start;
     Master* master_ptr = static_cast<Master*>(meta.addresses[1][t]) + range.start;
@@ -333,14 +335,15 @@ void copy_(at::TensorList outputs, at::TensorList inputs) {
   rows.finish();
 }
 
-void adopt_changes_(at::TensorList masters, at::TensorList models) {
+void adopt_changes_(at::TensorList masters, at::TensorList models, const std::optional<at::Tensor>& only) {
   check_same_length("adopt_changes_", "masters", masters.size(), "models", models.size());
   if (models.empty()) return;
   const at::Device device = cuda_device_of("adopt_changes_", {models, masters});
+  const float* selected = optional_flags("adopt_changes_", only, models.size(), device);
   for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], device);
   const c10::cuda::CUDAGuard guard(device);
   DenseRows rows({models.vec(), masters.vec()}, {false, true});
-  launch_pairs<AdoptFunctor>({rows.list(0), rows.list(1)});
+  launch_pairs<AdoptFunctor>({rows.list(0), rows.list(1)}, selected);
   rows.finish();
 }
 
