@@ -68,13 +68,15 @@ _DETACHED: _Token = (None, 0, None)
 class BackwardWatch:
     """Tells whether a backward reached the scaled loss that ``scale_loss`` yielded."""
 
-    def __init__(self, scaled_loss: torch.Tensor):
+    def __init__(self, scaled_loss: torch.Tensor, on_reach: Callable[[], None] = lambda: None):
         self.reached = not scaled_loss.requires_grad  # nothing to watch: assume it was used
+        self._on_reach = on_reach
         if scaled_loss.requires_grad:
             scaled_loss.register_hook(self._reach)
 
     def _reach(self, grad: torch.Tensor) -> None:
         self.reached = True
+        self._on_reach()
 
 
 class _Pending:
@@ -100,6 +102,9 @@ class GradientFlow:
         self.in_scale_loss = False
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         self._tokens: Dict[torch.Tensor, _Token] = {}
+        # The tokens scale_loss took off the model on entry, until its backward starts: put
+        # back if none does (an exception before the backward), so their history survives.
+        self._held: Dict[torch.Tensor, _Token] = {}
         self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
         # CPU: master gradients that were cleared, to be reused if nothing else holds them
         # (glibc hands large blocks back to the OS, and faulting 4 bytes per parameter in
@@ -149,14 +154,22 @@ class GradientFlow:
         self.reconcile(at_step=False)
         if self.deferred:
             self.materialize_deferred()
+        self._held = {}
         for model, master in self.pairs():
             if model is master:
                 if model.grad is not None:
                     self._stash[model] = model.grad
                     model.grad = None
             else:
+                token = self._tokens.get(model, _DETACHED)
+                if token[0] is not None and model.grad is token[0]:
+                    self._held[model] = token
                 model.grad = None
                 self._tokens[model] = _DETACHED
+
+    def backward_started(self) -> None:
+        """The backward reached the scaled loss: the held tokens go (their memory with them)."""
+        self._held = {}
 
     def reconcile(self, at_step: bool) -> None:
         """Carry what the user did to distinct pairs' model gradients since the last
@@ -189,7 +202,7 @@ class GradientFlow:
                 stray.append(model)
         if stray:
             raise RuntimeError(self._stray_message(stray, at_step))
-        if unchanged and not at_step:
+        if unchanged:
             self._carry_data_zeroing(unchanged)
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
@@ -205,28 +218,33 @@ class GradientFlow:
         self._token(model, grad)
 
     def _carry_data_zeroing(self, unchanged: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]]) -> None:
-        """Tokens zeroed through ``.data`` (``p.grad.data.zero_()``, the pre-1.0 idiom) keep their
-        version counter: one that was not zero when scale_loss left it and is zero now was
-        zeroed, and its master's gradient is zeroed too.  A parked token (zero from the start)
-        can't show it: it counts as zeroed when another token of this optimizer was (the idiom
-        zeroes every parameter).  One L2-norm pass over the tokens (and over the master
-        gradients that stand for them); on the CPU the verdict is read directly, elsewhere it
-        stays on the device (a masked fill of each master gradient, no sync)."""
+        """Tokens zeroed through ``.data`` (``p.grad.data.zero_()``, the pre-1.0 idiom) keep
+        their version counter, but one that
+        was not zero when scale_loss left it and is zero now was zeroed, and its master's
+        gradient is zeroed too.  A token that was zero from the start (parked, or a loss whose
+        gradient was exactly zero) can't show it: it counts as zeroed when another token of
+        this optimizer was (the idiom zeroes every parameter).  One L2-norm pass over the tokens
+        (and over the master gradients that stand for them); on the CPU the verdict is read
+        directly, elsewhere it stays on the device (a masked fill per master gradient, no sync).
+        It runs only where master gradients are still there at a scale_loss (several losses per
+        step without ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
         images = [entry for entry in unchanged if entry[3] is _IMAGE]
         normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
         parked = [entry for entry in unchanged if entry[3] is _PARKED]
+        watched = images + normed
+        if not watched:
+            return
         thens = []
         if images:
             thens.append(ops.l2norm([master.grad for _, master, _, _ in images], per_tensor=True)[1])
         if normed:
             thens.append(torch.stack([norm.reshape(()) for _, _, _, norm in normed]))
-        if not thens:
-            return
-        watched = images + normed
+        then = torch.cat(thens)
         _, now = ops.l2norm([grad for _, _, grad, _ in watched], per_tensor=True)
-        zeroed = (torch.cat(thens) > 0) & (now == 0)
+        seen = (then > 0) & (now == 0)
+        zeroed = seen | ((then == 0) & seen.any())
         if parked:
-            zeroed = torch.cat([zeroed, zeroed.any().expand(len(parked))])
+            zeroed = torch.cat([zeroed, seen.any().expand(len(parked))])
             watched += parked
         if zeroed.device.type == "cpu":
             for index in zeroed.nonzero().flatten().tolist():
@@ -394,9 +412,14 @@ class GradientFlow:
         for model, master in self.pairs():
             if model is master:
                 model.grad = self._stash.pop(model, None)
+            elif model in self._held:  # the master's gradient is untouched
+                self._tokens[model] = self._held[model]
+                model.grad = self._held[model][0]
             else:
-                self._park(model, master)  # the master's gradient is untouched
+                self._park(model, master)
         self._stash.clear()
+        self._held = {}
+
 
     # -- the fused optimizers' deferred gradients ----------------------------------------------
     def materialize_deferred(self) -> None:

@@ -282,7 +282,7 @@ class AmpHandle:
                                    "before the next, or add the losses and scale their sum")
             flow.check_can_join(loss_id, scaler.updates)
         scaled = scaler.scale(loss)
-        watch = BackwardWatch(scaled)
+        watch = BackwardWatch(scaled, on_reach=lambda: [flow.backward_started() for flow in flows])
         if self.masters is not None:
             self.masters.start()
         for flow in flows:

@@ -579,6 +579,58 @@ def test_s_model_zero_grad_every_style_matches_fp32(level, style):
     torch.testing.assert_close(run(True), run(False), rtol=2e-3, atol=2e-3)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h), self.fc2(h * 0 + 1)  # the second output reaches fc1 with exactly zero gradients
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("case", ["zero_last_gradient", "interrupted_loss"])
+def test_data_zeroing_is_seen_after_zero_gradients_and_interrupted_losses(level, case):
+    """p.grad.data.zero_() clears the masters' gradients also where the last loss gave a
+    parameter an exactly-zero gradient, and after a scale_loss whose body raised before its
+    backward (a skipped batch); compared with the same FP32 loop."""
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = _TwoHeads()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        if use_amp:
+            model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=64.0, verbosity=0)
+
+        def backward(loss):
+            if not use_amp:
+                return loss.backward()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+
+        for step in range(6):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step)).to(model.fc1.weight.dtype)
+            backward(model(x)[0].float().pow(2).mean())
+            b = model(x)[1]
+            if case == "zero_last_gradient":
+                backward(b.float().pow(2).mean())
+            elif step % 2 == 0:
+                try:
+                    if use_amp:
+                        with amp.scale_loss(b.float().mean(), opt):
+                            raise ValueError("bad batch")
+                    raise ValueError("bad batch")
+                except ValueError:
+                    continue  # the batch is skipped: no step
+            opt.step()
+        return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-2, atol=1e-2)
+
+
 # -- s_o1_loss_dtype: O1/O4 losses in FP32 ----------------------------------------------------
 
 LOSSES = {
@@ -633,6 +685,35 @@ def test_s_o1_dataclass_outputs_are_fp32_and_inputs_cast(level):
     assert out.logits.dtype == torch.float32 and out.extras["hidden"].dtype == torch.float32
     loss = torch.nn.functional.cross_entropy(out.logits, labels, reduction="sum") * 100
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
+@dataclasses.dataclass
+class _Node:
+    logits: torch.Tensor
+    parent: object = None
+    note: str = dataclasses.field(init=False)  # never set
+
+    def __post_init__(self):
+        self.doubled = self.logits * 2  # an attribute that is not a field
+
+
+class _NodeModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x):
+        node = _Node(self.body(x))
+        node.parent = node  # refers to itself
+        return node
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_dataclass_outputs_with_unset_fields_cycles_and_extra_attributes(level):
+    model = amp.initialize(_NodeModel(), opt_level=level, verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert out.logits.dtype == torch.float32 and out.doubled.dtype == torch.float32
+    assert not hasattr(out, "note") and out.parent is not None
 
 
 # -- item 8: clear errors ----------------------------------------------------------------------
