@@ -105,6 +105,9 @@ class GradientFlow:
         # The tokens scale_loss took off the model on entry, until its backward starts: put
         # back if none does (an exception before the backward), so their history survives.
         self._held: Dict[torch.Tensor, _Token] = {}
+        # The next scale_loss is the first since step(), zero_grad() or an interrupted scale_loss:
+        # there a model gradient that is zero was zeroed (see _carry_data_zeroing).
+        self._first_since_step = True
         self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
         # CPU: master gradients that were cleared, to be reused if nothing else holds them
         # (glibc hands large blocks back to the OS, and faulting 4 bytes per parameter in
@@ -152,6 +155,7 @@ class GradientFlow:
         if self.pending is not None:
             return
         self.reconcile(at_step=False)
+        self._first_since_step = False
         if self.deferred:
             self.materialize_deferred()
         self._held = {}
@@ -203,7 +207,7 @@ class GradientFlow:
         if stray:
             raise RuntimeError(self._stray_message(stray, at_step))
         if unchanged:
-            self._carry_data_zeroing(unchanged)
+            self._carry_data_zeroing(unchanged, first=self._first_since_step)
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
@@ -217,17 +221,28 @@ class GradientFlow:
         self._suspects.append((written, model))
         self._token(model, grad)
 
-    def _carry_data_zeroing(self, unchanged: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]]) -> None:
+    def _carry_data_zeroing(self, unchanged: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]],
+                            first: bool) -> None:
         """Tokens zeroed through ``.data`` (``p.grad.data.zero_()``, the pre-1.0 idiom) keep
-        their version counter, but one that
-        was not zero when scale_loss left it and is zero now was zeroed, and its master's
-        gradient is zeroed too.  A token that was zero from the start (parked, or a loss whose
-        gradient was exactly zero) can't show it: it counts as zeroed when another token of
-        this optimizer was (the idiom zeroes every parameter).  One L2-norm pass over the tokens
-        (and over the master gradients that stand for them); on the CPU the verdict is read
-        directly, elsewhere it stays on the device (a masked fill per master gradient, no sync).
-        It runs only where master gradients are still there at a scale_loss (several losses per
-        step without ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
+        their version counter; their values tell.
+
+        At the first scale_loss since step (or zero_grad, or an interrupted scale_loss), where a
+        loop clears its gradients, a token that is all zeros was zeroed, and its master's
+        gradient is zeroed too -- also one that was zero all along (a loss that did not reach
+        the parameter or gave it an exactly-zero gradient), which only differs for a script that
+        keeps adding gradients over steps without ever clearing them.  At later scale_loss calls
+        of the same step a token was zeroed only if it was not zero when scale_loss left it;
+        one that was zero from the start follows the rest of this optimizer's tokens.
+
+        One L2-norm pass over the tokens (and, after the first, over the master gradients that
+        stand for them); on the CPU the verdict is read directly, elsewhere it stays on the
+        device (a masked fill per master gradient, no sync).  It runs only where master
+        gradients are still there at a scale_loss (several losses per step without
+        ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
+        if first:
+            _, now = ops.l2norm([grad for _, _, grad, _ in unchanged], per_tensor=True)
+            self._zero_master_grads_where(unchanged, now == 0)
+            return
         images = [entry for entry in unchanged if entry[3] is _IMAGE]
         normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
         parked = [entry for entry in unchanged if entry[3] is _PARKED]
@@ -245,12 +260,14 @@ class GradientFlow:
         zeroed = seen | ((then == 0) & seen.any())
         if parked:
             zeroed = torch.cat([zeroed, seen.any().expand(len(parked))])
-            watched += parked
+        self._zero_master_grads_where(watched + parked, zeroed)
+
+    def _zero_master_grads_where(self, entries, zeroed: torch.Tensor) -> None:
         if zeroed.device.type == "cpu":
             for index in zeroed.nonzero().flatten().tolist():
-                self._zero_master_grad(watched[index][1])
+                self._zero_master_grad(entries[index][1])
         else:
-            for (_, master, _, _), flag in zip(watched, zeroed):
+            for (_, master, _, _), flag in zip(entries, zeroed):
                 master.grad.masked_fill_(flag, 0.0)
 
     def take_suspects(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -419,6 +436,7 @@ class GradientFlow:
                 self._park(model, master)
         self._stash.clear()
         self._held = {}
+        self._first_since_step = True  # the batch was abandoned: the next one starts afresh
 
 
     # -- the fused optimizers' deferred gradients ----------------------------------------------
@@ -456,6 +474,7 @@ class GradientFlow:
 
     def end_step(self) -> None:
         self._forget_overflow()
+        self._first_since_step = True
 
 
 
@@ -478,6 +497,7 @@ class GradientFlow:
         self._suspects.clear()
         self.pending = None
         self._forget_overflow()
+        self._first_since_step = True
 
 
 def _unreferenced(tensor: torch.Tensor) -> bool:

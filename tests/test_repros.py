@@ -590,7 +590,7 @@ class _TwoHeads(nn.Module):
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
-@pytest.mark.parametrize("case", ["zero_last_gradient", "interrupted_loss"])
+@pytest.mark.parametrize("case", ["zero_last_gradient", "zero_weight_last_loss", "interrupted_loss"])
 def test_data_zeroing_is_seen_after_zero_gradients_and_interrupted_losses(level, case):
     """p.grad.data.zero_() clears the masters' gradients also where the last loss gave a
     parameter an exactly-zero gradient, and after a scale_loss whose body raised before its
@@ -617,6 +617,8 @@ def test_data_zeroing_is_seen_after_zero_gradients_and_interrupted_losses(level,
             b = model(x)[1]
             if case == "zero_last_gradient":
                 backward(b.float().pow(2).mean())
+            elif case == "zero_weight_last_loss":  # an auxiliary loss weighted 0 during warm-up
+                backward(model(x)[0].float().abs().mean() * 0.0)
             elif step % 2 == 0:
                 try:
                     if use_amp:
@@ -626,6 +628,37 @@ def test_data_zeroing_is_seen_after_zero_gradients_and_interrupted_losses(level,
                 except ValueError:
                     continue  # the batch is skipped: no step
             opt.step()
+        return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_data_zeroing_clears_an_optimizer_the_last_loss_did_not_reach(level):
+    """Two optimizers, both losses through one scale_loss call each: the second reaches only
+    the first optimizer's layer, so the second optimizer's tokens are all zero from the start;
+    p.grad.data.zero_() must still clear its masters' gradients, as in FP32."""
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opts = [torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.5),
+                torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.5)]
+        if use_amp:
+            model, opts = amp.initialize(model, opts, opt_level=level, loss_scale=64.0, verbosity=0)
+        for step in range(5):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step)).to(model[0].weight.dtype)
+            losses = [model(x).float().pow(2).mean(), model[0](x).float().pow(2).mean() * 0.1]
+            for loss in losses:
+                if use_amp:
+                    with amp.scale_loss(loss, opts) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+            for opt in opts:
+                opt.step()
         return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
     torch.testing.assert_close(run(True), run(False), rtol=1e-2, atol=1e-2)
