@@ -21,8 +21,9 @@ was written: its master takes the model's value element by element wherever the 
 longer holds the master's rounding (``ops.adopt_changes_``), and every other element keeps its
 FP32 precision.  A master written by the user (clamping ``amp.master_params``) is left alone,
 and the model gets its rounding at the next step.  A tensor written on both sides between two
-updates takes the model's values wherever they differ from the master's rounding.  Cost: a fingerprint pass over the model
-after each step's copy and before each update (2 bytes per 16-bit parameter each).
+updates takes the model's values wherever they differ from the master's rounding.  Cost: a
+fingerprint pass over the model after each step's copy and before each update (2 bytes per
+16-bit parameter each).
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
