@@ -438,7 +438,6 @@ class GradientFlow:
         self._held = {}
         self._first_since_step = True  # the batch was abandoned: the next one starts afresh
 
-
     # -- the fused optimizers' deferred gradients ----------------------------------------------
     def materialize_deferred(self) -> None:
         """Unscale the deferred gradients into the masters' ``.grad`` (already checked)."""

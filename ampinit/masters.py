@@ -166,19 +166,22 @@ class MasterWeights:
             self.sync()
 
     def _adopt_written(self, tensors: List[torch.Tensor]) -> None:
-        """Adopt the model's values into the masters of the tensors whose mark changed."""
-        restamped = [t for t in tensors if t not in self._marks or self._marks[t][:2] != (t._version, t.data_ptr())]
-        self._adopt(restamped)
-        self.mark(restamped)
-        same = [t for t in tensors if t not in set(restamped)] if restamped else tensors
-        if not same:
+        """Adopt the model's values into the masters of the tensors whose mark changed: one
+        fingerprint pass, and one adopt pass limited to the written tensors on the device."""
+        if not tensors:
             return
-        now = ops.fingerprint(same)
-        written = now.ne(torch.stack([self._marks[t][2] for t in same])).float()
+        now = ops.fingerprint(tensors)
+        never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
+        then = torch.stack([self._marks[t][2] if self._stamp_holds(t) else never for t in tensors])
         with torch.no_grad():
-            ops.adopt_changes_([self._value[t] for t in same], same, only=written)
-        for tensor, fingerprint in zip(same, now):
-            self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
+            ops.adopt_changes_([self._value[t] for t in tensors], tensors, only=now.ne(then).float())
+        self._set_marks(tensors, now)
+
+    def _stamp_holds(self, tensor: torch.Tensor) -> bool:
+        """Marked, with the version counter and storage it had then (in-place writes and new
+        storage change these; ``.data`` writes show only in the fingerprint)."""
+        mark = self._marks.get(tensor)
+        return mark is not None and mark[:2] == (tensor._version, tensor.data_ptr())
 
     def _adopt(self, tensors: List[torch.Tensor]) -> None:
         if tensors:
@@ -189,8 +192,11 @@ class MasterWeights:
         """These model tensors are as ampinit last wrote or read them (one fingerprint pass)."""
         tensors = [t for t in tensors if t in self._value]
         if tensors:
-            for tensor, fingerprint in zip(tensors, ops.fingerprint(tensors)):
-                self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
+            self._set_marks(tensors, ops.fingerprint(tensors))
+
+    def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor) -> None:
+        for tensor, fingerprint in zip(tensors, fingerprints):
+            self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
 
     def mark_loaded(self) -> None:
         """A checkpoint was loaded into FP32 values (``load_state_dict``): under
