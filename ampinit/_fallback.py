@@ -256,12 +256,63 @@ def _store(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor) -> Non
     target.copy_(torch.where(keep, value.to(target.dtype), target))
 
 
+# -- remainder masters (see ops.split_masters_): an FP32 master as its bfloat16 rounding, an int16
+# remainder and a tie bit per element, in int64 arithmetic (no overflow, no sign games) ---------
+
+def _tie_bits(ties: torch.Tensor, numel: int) -> torch.Tensor:
+    """Bit ``j % 32`` of word ``j // 32``, for every element ``j``, as bool."""
+    index = torch.arange(numel, device=ties.device)
+    return ((ties.to(torch.int64)[index >> 5] >> (index & 31)) & 1).bool()
+
+
+def join_master(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    """The FP32 master of a bfloat16 ``weight`` (contiguous) and its remainders, a new tensor."""
+    high = weight.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
+    rest = remainder.reshape(-1).to(torch.int64)
+    tie = (rest == -32768) & _tie_bits(ties, weight.numel())
+    bits = ((high << 16) + rest + tie.to(torch.int64) * 0x10000) & 0xFFFFFFFF
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    return bits.view(torch.float32).reshape(weight.shape)
+
+
+def split_master_(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> None:
+    """``weight`` = ``master`` rounded to nearest even (bfloat16), ``remainder``/``ties`` the rest."""
+    value = master.detach().float().reshape(-1).contiguous()
+    bits = value.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rest = bits - (rounded << 16)
+    nan = torch.isnan(value)
+    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
+    rest = torch.where(nan, torch.zeros_like(rest), rest)
+    tie = rest == 32768
+    rest = torch.where(tie, torch.full_like(rest, -32768), rest)
+    high = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
+    weight.copy_(high.view(torch.bfloat16).reshape(weight.shape))
+    remainder.copy_(rest.to(torch.int16).reshape(remainder.shape))
+    padded = torch.zeros(ties.numel() * 32, dtype=torch.int64, device=ties.device)
+    padded[:tie.numel()] = tie.to(torch.int64)
+    words = (padded.reshape(-1, 32) << torch.arange(32, device=ties.device)).sum(dim=1)
+    ties.copy_(torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
+
+
+def _param_value(param: torch.Tensor, remainders, ties, i: int) -> torch.Tensor:
+    return join_master(param, remainders[i], ties[i]) if remainders else param.float()
+
+
+def _store_param(param: torch.Tensor, value: torch.Tensor, remainders, ties, i: int, keep: torch.Tensor,
+                 old: torch.Tensor) -> None:
+    if remainders:
+        split_master_(param, remainders[i], ties[i], torch.where(keep, value, old))
+    else:
+        _store(param, value, keep)
+
+
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
                 bias_correction: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                hyper: Optional[torch.Tensor] = None) -> None:
+                hyper: Optional[torch.Tensor] = None, remainders=(), ties=()) -> None:
     """Adam/AdamW as torch.optim.Adam computes it, for float32/float16/bfloat16 params with
-    state of the param's dtype; see ``ops.fused_adam_``."""
+    state of the param's dtype, float32 or bfloat16; see ``ops.fused_adam_``."""
     if not params:
         return
     lr, beta1, beta2, eps, weight_decay = _hyper_scalars(hyper, (lr, beta1, beta2, eps, weight_decay))
@@ -269,7 +320,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
     for i, param in enumerate(params):
         step = steps[i] + keep.to(steps[i].dtype)
         grad = grads[i].float() * inv_scale
-        w = param.float()
+        old = w = _param_value(param, remainders, ties, i)
         if decoupled_weight_decay:
             w = w * _f32(1 - lr * weight_decay)
         else:
@@ -283,7 +334,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
             bias_correction1 = bias_correction2 = torch.ones((), dtype=torch.float64, device=param.device)
         denom = v.sqrt() / bias_correction2.sqrt().float() + _f32(eps)
         w = w + (-(lr / bias_correction1)).float() * m / denom
-        _store(param, w, keep)
+        _store_param(param, w, remainders, ties, i, keep, old)
         _store(exp_avgs[i], m, keep)
         _store(exp_avg_sqs[i], v, keep)
         if model_params:
@@ -294,7 +345,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
 def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: float, momentum: float,
                dampening: float, weight_decay: float, nesterov: bool, inv_scale: torch.Tensor,
                found_inf: torch.Tensor, new_buffer_flags: Sequence[torch.Tensor] = (),
-               hyper: Optional[torch.Tensor] = None) -> None:
+               hyper: Optional[torch.Tensor] = None, remainders=(), ties=()) -> None:
     """SGD as torch.optim.SGD computes it; see ``ops.fused_sgd_``."""
     if not params:
         return
@@ -302,7 +353,7 @@ def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: floa
     keep = _keep(found_inf)
     for i, param in enumerate(params):
         grad = grads[i].float() * inv_scale
-        w = param.float()
+        old = w = _param_value(param, remainders, ties, i)
         grad = grad + w * _f32(weight_decay)
         if momentum_buffers:
             buffer = momentum_buffers[i]
@@ -312,7 +363,7 @@ def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: floa
             _store(buffer, b, keep)
             new_buffer_flags[i].mul_((found_inf != 0).to(new_buffer_flags[i].dtype))
         w = w - grad * _f32(lr)
-        _store(param, w, keep)
+        _store_param(param, w, remainders, ties, i, keep, old)
         if model_params:
             _store(model_params[i], w, keep)
         steps[i].add_(keep.to(steps[i].dtype))

@@ -116,10 +116,13 @@ class OptimizerBinding:
         overflow flag and the model parameters to write."""
         flow = self.flow
         model_of = {master: model for model, master in flow.distinct_pairs()}
-        if not flow.unscaled_since_step:  # no scale_loss since the last step: plain gradients
-            return {"model_of": model_of}
-        return {"found_inf": flow.found_inf, "inv_scale": flow.deferred_inv_scale,
-                "scaled_grads": flow.deferred, "model_of": model_of}
+        inputs: dict = {"model_of": model_of}
+        if flow.masters is not None and flow.masters.has_remainders:
+            inputs["remainders"] = {model: parts for model in flow.models()
+                                    if (parts := flow.masters.remainders_of(model)) is not None}
+        if flow.unscaled_since_step:  # else no scale_loss since the last step: plain gradients
+            inputs.update(found_inf=flow.found_inf, inv_scale=flow.deferred_inv_scale, scaled_grads=flow.deferred)
+        return inputs
 
     def finish_step(self) -> None:
         """Everything after the optimizer's update."""

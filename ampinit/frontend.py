@@ -126,6 +126,11 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
                 f"it keeps itself, so it would never update the FP32 master weights that opt_level="
                 f"{config.opt_level!r} puts in its param_groups.  Use O1 (or O4) with it, or shard with FSDP2 "
                 "(fully_shard with MixedPrecisionPolicy) and ampinit's O0 + loss_scale='dynamic'")
+        if config.master_remainders and not getattr(opt, "_ampinit_fused", False):
+            raise ValueError(
+                f"master_weights='remainder' keeps FP32 masters as bfloat16 weights plus remainders, which only "
+                f"ampinit's fused optimizers update (ampinit.optim.FusedAdam, FusedAdamW, FusedSGD, or apex's "
+                f"names for them); got {type(opt).__name__}.  Use one of those, or master_weights=True")
         for group in opt.param_groups:
             for param in group["params"]:
                 if id(param) in seen:
@@ -162,7 +167,9 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
             FP32 masters; ``"O3"`` pure fp16; ``"O4"``/``"O5"`` the bf16 versions of O1/O2.
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights,
         loss_scale, cast_model_outputs: override the level's properties (apex's strings such
-            as ``"True"`` or ``"128.0"`` are accepted).
+            as ``"True"`` or ``"128.0"`` are accepted).  ``master_weights="remainder"`` (bfloat16
+            models, fused optimizers) keeps each FP32 master as the model's bfloat16 weight plus
+            an int16 remainder: 2 bytes per parameter less, the same training bit for bit.
         num_losses: independent loss scalers, picked with ``scale_loss(..., loss_id=i)``.
         verbosity: 0 silent, 1 level and overflow messages, 2 more (through ``logging``).
         min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.

@@ -170,6 +170,9 @@ class AmpHandle:
             self.masters = MasterWeights(fp32, {t: config.cast_model_type for t in original}, names)
         for casting in self._castings:
             casting.apply()
+        if config.master_remainders:
+            kept = self.masters.keep_as_remainders()
+            self.log(2, f"ampinit: {kept} bfloat16 parameters keep their masters as remainders", logging.DEBUG)
         for index, opt in enumerate(self.optimizers):
             flow = GradientFlow(opt, self.masters, self.device, bool(getattr(opt, "_ampinit_fused", False)),
                                 self.param_name)
@@ -376,11 +379,8 @@ class AmpHandle:
         return self.masters.master_of(tensor)
 
     def load_fp32_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
-        master = self.masters.master_of(tensor) if self.masters is not None else None
-        if master is not None and value.shape == master.shape:
-            with torch.no_grad():
-                master.copy_(value)
-            self.masters.mark_loaded()
+        if self.masters is not None:
+            self.masters.load(tensor, value)
 
     def _install_state_dict_hooks(self, model: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> list:
         """``model.state_dict()`` reports the FP32 values of cast tensors in their original

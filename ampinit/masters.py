@@ -25,6 +25,16 @@ updates takes the model's values wherever they differ from the master's rounding
 fingerprint pass over the model after each step's copy and before each update (2 bytes per
 16-bit parameter each).
 
+With ``master_weights="remainder"`` (bfloat16 models) a parameter's master is not kept in FP32
+storage: it is the model's bfloat16 weight (the master's round-to-nearest-even) plus an int16
+remainder and a tie bit (``ops.split_masters_``), 2 bytes and 1 bit per parameter instead of 4.
+The optimizer holds the model parameter itself; its fused kernel joins, updates and splits the
+master.  ``model.state_dict()`` and ``end`` read the joined FP32 value; ``model.load_state_dict``
+splits the loaded one.  ``amp.master_params`` yields the bfloat16 parameters themselves (their
+``.grad`` is what the kernel reads: clip that).  A write to such a weight from outside ampinit
+keeps its remainder: the master moves to the written value plus less than half a bfloat16 ulp
+(an FP32 master would take the written value exactly).
+
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
 initialized from different seeds then hold identical masters once DDP has broadcast rank 0's
@@ -67,6 +77,8 @@ class MasterWeights:
         # model tensor -> (version, data_ptr, fingerprint) when ampinit last wrote or read it
         self._marks: Dict[torch.Tensor, Tuple[int, int, torch.Tensor]] = {}
         self._loaded = False
+        # model parameter -> (int16 remainders, int32 tie words): masters kept as remainders
+        self._remainders: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -79,10 +91,38 @@ class MasterWeights:
         self._value[tensor] = value
         return value
 
+    def keep_as_remainders(self) -> int:
+        """After the cast: every cast bfloat16 parameter that is contiguous keeps its master as
+        remainders from now on, and its FP32 storage is let go.  Returns how many do."""
+        kept = 0
+        for tensor in list(self._value):
+            if not (isinstance(tensor, nn.Parameter) and tensor.dtype == torch.bfloat16 and tensor.is_contiguous()):
+                continue
+            value = self._value.pop(tensor)
+            self._model_of.pop(value, None)
+            remainder, ties = ops.new_remainders(tensor)
+            with torch.no_grad():
+                ops.split_masters_([tensor], [remainder], [ties], [value])
+            self._remainders[tensor] = (remainder, ties)
+            kept += 1
+        return kept
+
     # -- lookups -------------------------------------------------------------------------------
     def master_of(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """The FP32 value of a cast tensor (the master, for a parameter), or ``None``."""
+        """The FP32 value of a cast tensor (the master, for a parameter), or ``None``.  For a
+        master kept as remainders: the joined value, a new tensor (writes to it change nothing)."""
+        parts = self._remainders.get(tensor)
+        if parts is not None:
+            return ops.join_masters([tensor], [parts[0]], [parts[1]])[0]
         return self._value.get(tensor)
+
+    def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(remainders, tie words)`` of a parameter whose master is kept as remainders."""
+        return self._remainders.get(tensor)
+
+    @property
+    def has_remainders(self) -> bool:
+        return bool(self._remainders)
 
     @property
     def model_of(self) -> Dict[torch.Tensor, torch.Tensor]:
@@ -90,14 +130,19 @@ class MasterWeights:
         return self._model_of
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
-        return tensor in self._value
+        return tensor in self._value or tensor in self._remainders
 
     def tensors(self) -> List[torch.Tensor]:
-        return list(self._value)
+        return list(self._value) + list(self._remainders)
 
     def take(self, param: torch.Tensor) -> torch.Tensor:
         """The master of ``param`` for an optimizer that starts to update it: its kept FP32 value
         if ampinit cast it, else (a low-precision parameter added later) a new FP32 copy."""
+        if param in self._remainders:  # the optimizer updates the model parameter and its remainders
+            if self._compared_once and _distributed_world():
+                self._reset_remainders([param])
+            self._updated.add(param)
+            return param
         master = self._value.get(param)
         if master is None:
             self._cast_dtype[param] = param.dtype
@@ -129,7 +174,7 @@ class MasterWeights:
             dtype = self._cast_dtype.get(tensor)
             if dtype is None:
                 continue
-            master = self._value[tensor]
+            master = self._value[tensor] if tensor in self._value else self._remainders[tensor][0]
             if tensor.dtype != dtype or tensor.device != master.device:
                 raise RuntimeError(
                     f"{self._names.get(tensor, 'a parameter')} is {tensor.dtype} on {tensor.device}, but "
@@ -153,11 +198,35 @@ class MasterWeights:
                 for tensor in tensors:
                     if tensor in from_model:
                         self._value[tensor].copy_(tensor)
+            self._reset_remainders([t for t in self._remainders if t in from_model])
+            self.check_model(list(self._remainders))
             self.mark(tensors)
             return
         tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
         self.check_model(tensors)
         self._adopt_written(tensors)
+
+    def _reset_remainders(self, tensors: List[torch.Tensor]) -> None:
+        """These masters become their model weights exactly (remainders and tie bits zeroed)."""
+        for tensor in tensors:
+            for part in self._remainders[tensor]:
+                part.zero_()
+
+    def load(self, tensor: torch.Tensor, value: torch.Tensor) -> bool:
+        """A checkpoint's FP32 ``value`` of ``tensor`` (``model.load_state_dict``): the master
+        takes it (a master kept as remainders is split, its weight written too).  Returns
+        whether ``tensor`` has a master of ``value``'s shape."""
+        parts = self._remainders.get(tensor)
+        master = self._value.get(tensor)
+        if value.shape != tensor.shape or (parts is None and master is None):
+            return False
+        with torch.no_grad():
+            if parts is not None:
+                ops.split_masters_([tensor], [parts[0]], [parts[1]], [value.to(tensor.device)])
+            else:
+                master.copy_(value)
+        self._loaded = True
+        return True
 
     def start(self) -> None:
         """At every backward: the first one compares every value (see :meth:`sync`); later
@@ -223,6 +292,10 @@ class MasterWeights:
         with torch.no_grad():
             for tensor, value in self._value.items():
                 tensor.data = value.data
+            for tensor, (remainder, ties) in self._remainders.items():
+                if tensor.dtype == torch.bfloat16 and tensor.device == remainder.device:
+                    tensor.data = ops.join_masters([tensor.data], [remainder], [ties])[0]
         self._value.clear()
+        self._remainders.clear()
         self._model_of.clear()
         self._marks.clear()

@@ -24,7 +24,8 @@ import torch
 from . import _ext, _fallback
 
 __all__ = ["backend", "unscale_", "accumulate_unscaled_", "check_finite_", "unscale_sparse", "copy_",
-           "l2norm", "update_scale_", "fused_adam_", "fused_sgd_"]
+           "l2norm", "update_scale_", "fused_adam_", "fused_sgd_",
+           "new_remainders", "split_masters_", "join_masters"]
 
 Tensors = Sequence[torch.Tensor]
 _KERNEL_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
@@ -271,12 +272,14 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
 def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 steps: Tensors, model_params: Tensors, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, decoupled_weight_decay: bool, bias_correction: bool,
-                inv_scale: torch.Tensor, found_inf: torch.Tensor, hyper: Optional[torch.Tensor] = None) -> None:
+                inv_scale: torch.Tensor, found_inf: torch.Tensor, hyper: Optional[torch.Tensor] = None,
+                remainders: Tensors = (), ties: Tensors = ()) -> None:
     """One Adam (or AdamW, ``decoupled_weight_decay``) step of ``params`` from
     ``grads * inv_scale``, as ``torch.optim.Adam(fused=True)`` computes it.
 
-    ``params`` are float32, float16 or bfloat16; ``exp_avgs``/``exp_avg_sqs`` have their param's
-    dtype; all arithmetic is float32 and each stored value is rounded once.  ``grads`` may be
+    ``params`` are float32, float16 or bfloat16; a param's ``exp_avgs``/``exp_avg_sqs`` are both
+    of its dtype, both float32, or (float32 params) both bfloat16; all arithmetic is float32 and
+    each stored value is rounded once (to nearest even).  ``grads`` may be
     any of the three dtypes.  ``model_params`` is empty, or one 16-bit copy per (float32) param
     written in the same pass.  ``steps`` are 1-element float32 counters on the device.
 
@@ -285,23 +288,29 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     ``hyper`` (capturable optimizers): a float64 tensor ``[lr, beta1, beta2, eps, weight_decay]``
     on the params' device, read instead of the float arguments, so that a CUDA-graph replay
     sees values changed in place.
+
+    ``remainders``/``ties`` (remainder masters, see :func:`split_masters_`): empty, or for each
+    param (then contiguous bfloat16, with no ``model_params``) its int16 remainders and int32
+    tie words: the kernel updates the FP32 master they make with the param and splits it again.
     """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
-                                      list(model_params), float(lr), float(beta1), float(beta2), float(eps),
+                                      list(model_params), list(remainders), list(ties), float(lr), float(beta1), float(beta2), float(eps),
                                       float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
                                       inv_scale, found_inf, hyper)
     else:
         _fallback.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=weight_decay,
                               decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction,
-                              inv_scale=inv_scale, found_inf=found_inf, hyper=hyper)
+                              inv_scale=inv_scale, found_inf=found_inf, hyper=hyper, remainders=list(remainders),
+                              ties=list(ties))
 
 
 def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Tensors, steps: Tensors,
                model_params: Tensors, *, lr: float, momentum: float, dampening: float, weight_decay: float,
                nesterov: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-               new_buffer_flags: Optional[Tensors] = None, hyper: Optional[torch.Tensor] = None) -> None:
+               new_buffer_flags: Optional[Tensors] = None, hyper: Optional[torch.Tensor] = None,
+               remainders: Tensors = (), ties: Tensors = ()) -> None:
     """One SGD step (momentum, dampening, nesterov, weight decay) like :func:`fused_adam_`, as
     ``torch.optim.SGD`` computes it; dtypes and skipping as there.
 
@@ -312,16 +321,43 @@ def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Ten
     skipped one leaves it, on the device.  ``None`` keeps the rule of counting steps: a buffer
     is new on its param's first step (``steps == 0``).
     ``hyper``: a float64 tensor ``[lr, momentum, dampening, weight_decay]``, as in
-    :func:`fused_adam_`.
+    :func:`fused_adam_`; ``momentum_buffers`` of the param's dtype or float32; ``remainders``/``ties``
+    as in :func:`fused_adam_`.
     """
     if new_buffer_flags is None:
         new_buffer_flags = [(step == 0).float().reshape(1) for step in steps] if momentum_buffers else []
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_sgd_(params, list(grads), list(momentum_buffers), list(steps), list(model_params),
-                                     float(lr), float(momentum), float(dampening), float(weight_decay),
+                                     list(remainders), list(ties), float(lr), float(momentum), float(dampening), float(weight_decay),
                                      bool(nesterov), inv_scale, found_inf, list(new_buffer_flags), hyper)
     else:
         _fallback.fused_sgd_(params, grads, momentum_buffers, steps, model_params, lr=lr, momentum=momentum,
                              dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                              inv_scale=inv_scale, found_inf=found_inf, new_buffer_flags=new_buffer_flags,
-                             hyper=hyper)
+                             hyper=hyper, remainders=list(remainders), ties=list(ties))
+
+
+# -- remainder masters -------------------------------------------------------------------------
+# An FP32 master kept as the model's bfloat16 weight (its round-to-nearest-even) plus an int16
+# remainder: bits(master) = (bits(weight) << 16) + remainder, mod 2^32.  A bfloat16 value of
+# even mantissa is the rounding of 65537 floats (both ties), one more than 16 bits can tell
+# apart, so one tie bit per element (int32 words, bit j % 32 of word j // 32) marks the upper
+# tie.  The fused optimizers join and split in their kernels; these two serve checkpoints and
+# setup, in torch (not on the hot path).
+
+def new_remainders(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed remainders and tie words for a contiguous bfloat16 ``weight``: its master is the weight."""
+    return (torch.zeros(weight.shape, dtype=torch.int16, device=weight.device),
+            torch.zeros((weight.numel() + 31) // 32, dtype=torch.int32, device=weight.device))
+
+
+def split_masters_(weights: Tensors, remainders: Tensors, ties: Tensors, masters: Tensors) -> None:
+    """Write each FP32 ``masters[i]`` as ``weights[i]`` (bfloat16, round to nearest even) plus
+    its remainders: :func:`join_masters` gives the master back bit for bit (NaN as bfloat16's NaN)."""
+    for weight, remainder, tie_words, master in zip(weights, remainders, ties, masters):
+        _fallback.split_master_(weight, remainder, tie_words, master)
+
+
+def join_masters(weights: Tensors, remainders: Tensors, ties: Tensors) -> List[torch.Tensor]:
+    """The FP32 masters of bfloat16 ``weights`` and their remainders, as new tensors."""
+    return [_fallback.join_master(w, r, t) for w, r, t in zip(weights, remainders, ties)]

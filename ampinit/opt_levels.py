@@ -46,6 +46,9 @@ class AmpConfig:
     autocast_dtype: Optional[torch.dtype] = None
     keep_batchnorm_fp32: Optional[bool] = None
     master_weights: bool = False
+    # master_weights="remainder": bfloat16 parameters keep their masters as the weight plus an
+    # int16 remainder (2 bytes per parameter instead of 4; see ampinit.masters)
+    master_remainders: bool = False
     loss_scale: LossScale = 1.0
     cast_model_outputs: Optional[torch.dtype] = None
     num_losses: int = 1
@@ -203,6 +206,9 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
     props = dict(OPT_LEVELS[level])
 
     cast = _parse_dtype("cast_model_type", cast_model_type)
+    remainders = isinstance(master_weights, str) and master_weights.strip().lower() == "remainder"
+    if remainders:
+        master_weights = True
     overrides = {
         "cast_model_type": None if cast is _NO_CAST else cast,
         "patch_torch_functions": _parse_bool("patch_torch_functions", patch_torch_functions),
@@ -253,7 +259,7 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
         given["hysteresis"] = _parse_int("hysteresis", hysteresis, 1)
 
     config = AmpConfig(opt_level=level, enabled=enabled, num_losses=num_losses, verbosity=verbosity,
-                       **scaling, **given, **props)
+                       master_remainders=remainders, **scaling, **given, **props)
     _check_consistent(config, given)
     return config
 
@@ -277,6 +283,11 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
         raise ValueError(
             f"{where}: master_weights=True with patch_torch_functions=True (O1-style autocast): autocast keeps the "
             "model's FP32 weights, so there is nothing to keep masters of; drop master_weights or use O2/O5")
+    if config.master_remainders and config.cast_model_type != torch.bfloat16:
+        raise ValueError(
+            f"{where}: master_weights='remainder' keeps each FP32 master as its bfloat16 weight plus a 16-bit "
+            f"remainder, so the model must be cast to bfloat16 (O5, or cast_model_type=torch.bfloat16); this "
+            f"level casts it to {config.cast_model_type}.  Use master_weights=True here")
     if config.keep_batchnorm_fp32 is not None and not config.casts_model:
         raise ValueError(
             f"{where}: keep_batchnorm_fp32={config.keep_batchnorm_fp32} only applies when the "

@@ -111,12 +111,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _amp_update(self, found_inf: Optional[torch.Tensor] = None, inv_scale: Optional[torch.Tensor] = None,
                     scaled_grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None,
-                    model_of: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
+                    model_of: Optional[Dict[torch.Tensor, torch.Tensor]] = None,
+                    remainders: Optional[Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
         """The update, as ampinit drives it: ``scaled_grads[p]`` (multiplied by ``inv_scale``)
-        replaces ``p.grad``; ``model_of[p]`` receives the new value of ``p``; nothing changes
-        if ``found_inf`` is set."""
+        replaces ``p.grad``; ``model_of[p]`` receives the new value of ``p``; ``remainders[p]``
+        (remainder masters) makes bfloat16 ``p`` an FP32 master with them; nothing changes if
+        ``found_inf`` is set."""
         scaled_grads = scaled_grads or {}
         model_of = model_of or {}
+        remainders = remainders or {}
         for group in self.param_groups:
             calls: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = {}
             for param in group["params"]:
@@ -133,17 +136,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"{type(self).__name__} updates float32, float16 and bfloat16 params; got a "
                                     f"{param.dtype} param. Use the torch.optim optimizer for it")
                 model = model_of.get(param)
-                key = (param.device, scaled, model is not None)
-                params, grads, models = calls.setdefault(key, ([], [], []))
+                parts = remainders.get(param)
+                key = (param.device, scaled, model is not None, parts is not None)
+                params, grads, models, rests = calls.setdefault(key, ([], [], [], []))
                 params.append(param)
                 grads.append(grad)
                 if model is not None:
                     models.append(model)
-            for (device, scaled, _), (params, grads, models) in calls.items():
+                if parts is not None:
+                    rests.append(parts)
+            for (device, scaled, _, _), (params, grads, models, rests) in calls.items():
                 unit_inv, zero_found = self._unit_flags(device)
                 self._update(group, params, grads, models,
                              inv_scale if scaled else unit_inv,
-                             found_inf if found_inf is not None else zero_found)
+                             found_inf if found_inf is not None else zero_found,
+                             [r for r, _ in rests], [t for _, t in rests])
 
     def _step_tensor(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state[param]
@@ -155,15 +162,35 @@ class _FusedOptimizer(torch.optim.Optimizer):
             step = state["step"] = torch.full((), value, dtype=torch.float32, device=param.device)
         return step
 
-    def _state_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
-        """``state[key]`` in the param's dtype (the kernels' contract), zeros when new."""
+    def _state_tensor(self, param: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """``state[key]`` in ``dtype`` (the param's, float32 or bfloat16: the kernels'
+        contract), zeros when new."""
         state = self.state[param]
         value = state.get(key)
         if value is None:
-            value = state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif value.dtype != param.dtype or value.device != param.device:
-            value = state[key] = value.to(device=param.device, dtype=param.dtype)
+            value = state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        elif value.dtype != dtype or value.device != param.device:
+            value = state[key] = value.to(device=param.device, dtype=dtype)
         return value
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """``torch.optim``'s loading, except that floating-point state keeps the precision it was
+        saved in: torch casts it to each param's dtype, which would round a bfloat16 param's FP32
+        moments (remainder masters).  Each step then uses the state dtype it needs."""
+        saved = {}
+        for index, param_state in state_dict.get("state", {}).items():
+            if isinstance(param_state, dict):
+                saved[index] = {key: value for key, value in param_state.items()
+                                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()}
+        super().load_state_dict(state_dict)
+        ids = [index for group in state_dict["param_groups"] for index in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, param in zip(ids, params):
+            for key, value in saved.get(index, {}).items():
+                loaded = self.state[param].get(key)
+                if isinstance(loaded, torch.Tensor) and loaded.dtype != value.dtype and \
+                        value.element_size() > loaded.element_size():
+                    self.state[param][key] = value.to(device=param.device, copy=True)
 
     # -- device-resident hyper-parameters (capturable=True) ----------------------------------
     def _device_scalar(self, group: dict, key: str, value: Any, device: torch.device) -> torch.Tensor:
@@ -192,8 +219,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _HYPER_KEYS: Sequence[str] = ()
 
     def _update(self, group: dict, params: List[torch.Tensor], grads: List[torch.Tensor],
-                models: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+                models: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                remainders: List[torch.Tensor], ties: List[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def _master_state_dtype(self, param: torch.Tensor, remainders: List[torch.Tensor]) -> torch.dtype:
+        """The state dtype of the master: float32 for remainder masters (bfloat16 params that
+        stand for FP32 masters), else the param's."""
+        return torch.float32 if remainders else param.dtype
 
 
 def _get_hyper(group: dict, key: str):
@@ -246,6 +279,11 @@ class FusedAdam(_FusedOptimizer):
         adam_w_mode: decoupled weight decay (AdamW), apex's default; ``False`` gives
             ``torch.optim.Adam``'s L2 penalty.
         amsgrad: not supported (as in apex); raises ``ValueError``.
+        state_dtype: ``torch.bfloat16`` keeps ``exp_avg``/``exp_avg_sq`` in bfloat16 (4 bytes per
+            parameter instead of 8): each step reads them into float32, computes as usual and
+            rounds them to nearest even once.  ``None`` (default): the master's dtype (float32
+            under ``initialize`` at O2/O5, the param's otherwise).  ``state_dict()`` saves them
+            in bfloat16; ``torch.optim.AdamW.load_state_dict`` upcasts them to its params' dtype.
         capturable: keep ``lr``, ``betas``, ``eps`` and ``weight_decay`` as float64 device
             tensors in the param group (made at the first step), which the kernels read on the
             device: a step captured in a CUDA graph sees later in-place changes (LR
@@ -266,7 +304,10 @@ class FusedAdam(_FusedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 capturable: bool = False):
+                 capturable: bool = False, state_dtype: Optional[torch.dtype] = None):
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"state_dtype must be None (the master's dtype), torch.float32 or torch.bfloat16; "
+                             f"got {state_dtype!r}")
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support AMSGrad; use torch.optim.Adam(amsgrad=True)")
         _check_hyper(lr, eps, weight_decay, tuple(betas))
@@ -278,6 +319,11 @@ class FusedAdam(_FusedOptimizer):
                         decoupled_weight_decay=self.adam_w_mode, capturable=bool(capturable))
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
+        self.state_dtype = state_dtype
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("state_dtype", None)
 
     def _check_loaded_group(self, index: int, group: dict) -> None:
         super()._check_loaded_group(index, group)
@@ -325,9 +371,18 @@ class FusedAdam(_FusedOptimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _update(self, group, params, grads, models, inv_scale, found_inf) -> None:
-        exp_avgs = [self._state_tensor(param, "exp_avg") for param in params]
-        exp_avg_sqs = [self._state_tensor(param, "exp_avg_sq") for param in params]
+    def _moment_dtype(self, param: torch.Tensor, remainders: List[torch.Tensor]) -> torch.dtype:
+        dtype = self.state_dtype or self._master_state_dtype(param, remainders)
+        if param.dtype == torch.float16 and dtype == torch.bfloat16:
+            raise TypeError(f"{type(self).__name__}(state_dtype=torch.bfloat16) keeps the moments of float32 and "
+                            "bfloat16 params in bfloat16; this param is float16.  Give it float32 masters "
+                            "(ampinit O2) or use state_dtype=None")
+        return dtype
+
+    def _update(self, group, params, grads, models, inv_scale, found_inf, remainders, ties) -> None:
+        dtypes = [self._moment_dtype(param, remainders) for param in params]
+        exp_avgs = [self._state_tensor(param, "exp_avg", dtype) for param, dtype in zip(params, dtypes)]
+        exp_avg_sqs = [self._state_tensor(param, "exp_avg_sq", dtype) for param, dtype in zip(params, dtypes)]
         steps = [self._step_tensor(param) for param in params]
         hyper = self._hyper(group, params[0].device)
         if hyper is None:
@@ -338,7 +393,7 @@ class FusedAdam(_FusedOptimizer):
         ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, models, lr=lr, beta1=beta1, beta2=beta2,
                         eps=eps, weight_decay=weight_decay, decoupled_weight_decay=self.adam_w_mode,
                         bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
-                        hyper=hyper)
+                        hyper=hyper, remainders=remainders, ties=ties)
 
 
 class FusedAdamW(FusedAdam):
@@ -346,9 +401,9 @@ class FusedAdamW(FusedAdam):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, bias_correction: bool = True,
-                 capturable: bool = False):
+                 capturable: bool = False, state_dtype: Optional[torch.dtype] = None):
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         adam_w_mode=True, weight_decay=weight_decay, capturable=capturable)
+                         adam_w_mode=True, weight_decay=weight_decay, capturable=capturable, state_dtype=state_dtype)
 
 
 # The state key of FusedSGD's per-param flag (a 1-element float32 device tensor): nonzero while
@@ -425,13 +480,14 @@ class FusedSGD(_FusedOptimizer):
             param_state["momentum_buffer"] = None
         return param_state
 
-    def _buffers(self, params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """Each param's momentum buffer (param dtype) and new-buffer flag, made where missing."""
+    def _buffers(self, params: List[torch.Tensor], remainders: List[torch.Tensor]) \
+            -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Each param's momentum buffer (the master's dtype) and new-buffer flag, made where missing."""
         buffers, flags = [], []
         for param in params:
             state = self.state[param]
             is_new = state.get("momentum_buffer") is None
-            buffers.append(self._state_tensor(param, "momentum_buffer"))
+            buffers.append(self._state_tensor(param, "momentum_buffer", self._master_state_dtype(param, remainders)))
             flag = state.get(_NEW_BUFFER)
             if is_new or flag is None or flag.device != param.device:
                 # torch's rule: no buffer yet (or None, as torch saves it) -> the gradient; a
@@ -440,15 +496,15 @@ class FusedSGD(_FusedOptimizer):
             flags.append(flag)
         return buffers, flags
 
-    def _update(self, group, params, grads, models, inv_scale, found_inf) -> None:
+    def _update(self, group, params, grads, models, inv_scale, found_inf, remainders, ties) -> None:
         steps = [self._step_tensor(param) for param in params]
         hyper = self._hyper(group, params[0].device)
         has_momentum = self._has_momentum(group)
-        buffers, flags = self._buffers(params) if has_momentum else ([], [])
+        buffers, flags = self._buffers(params, remainders) if has_momentum else ([], [])
         if hyper is None:
             lr, momentum, dampening, weight_decay = (_host_float(group[key]) for key in self._HYPER_KEYS)
         else:  # read from `hyper` on the device; the floats are placeholders
             lr, momentum, dampening, weight_decay = 0.0, float(has_momentum), 0.0, 0.0
         ops.fused_sgd_(params, grads, buffers, steps, models, lr=lr, momentum=momentum, dampening=dampening,
                        weight_decay=weight_decay, nesterov=group["nesterov"], inv_scale=inv_scale,
-                       found_inf=found_inf, new_buffer_flags=flags, hyper=hyper)
+                       found_inf=found_inf, new_buffer_flags=flags, hyper=hyper, remainders=remainders, ties=ties)

@@ -102,8 +102,12 @@ inline void check_optimizer_lists(const char* op, at::TensorList params, at::Ten
     if (!models.empty()) row.push_back(models[i]);
     check_row(op, i, row, device);
     for (const auto& state : states) {
-      TORCH_CHECK(state[i].scalar_type() == params[i].scalar_type(), "ampinit.", op, ": optimizer state ", i,
-                  " is ", state[i].scalar_type(), "; it must have its param's dtype, ", params[i].scalar_type());
+      const auto type = state[i].scalar_type();
+      const bool allowed = type == params[i].scalar_type() || type == at::kFloat ||
+                           (type == at::kBFloat16 && params[i].scalar_type() == at::kFloat);
+      TORCH_CHECK(allowed && type == states[0][i].scalar_type(), "ampinit.", op, ": optimizer state ", i, " is ",
+                  type, "; the state of a ", params[i].scalar_type(), " param must be all of its dtype, all float32, "
+                  "or (float32 params) all bfloat16");
     }
     if (!models.empty()) {
       TORCH_CHECK(params[i].scalar_type() == at::kFloat, "ampinit.", op, ": param ", i, " is ",
@@ -113,6 +117,30 @@ inline void check_optimizer_lists(const char* op, at::TensorList params, at::Ten
                   ": model_params[", i, "] must be a float16/bfloat16 tensor distinct from the param");
     }
     check_flag(op, "steps[i]", steps[i], device);
+  }
+}
+
+// Remainder masters (see cpu/kernels.h): `remainders` is empty, or holds per param an int16
+// tensor of its shape and `ties` an int32 tensor of ceil(numel / 32) tie words; params with
+// remainders are contiguous bfloat16 updated in place (no model copies).
+inline void check_remainders(const char* op, at::TensorList params, at::TensorList remainders, at::TensorList ties,
+                             at::TensorList models) {
+  if (remainders.empty() && ties.empty()) return;
+  check_same_length(op, "params", params.size(), "remainders", remainders.size());
+  check_same_length(op, "params", params.size(), "ties", ties.size());
+  TORCH_CHECK(models.empty(), "ampinit.", op, ": params with remainders are the model weights; pass no model_params");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& param = params[i];
+    TORCH_CHECK(param.scalar_type() == at::kBFloat16 && param.is_contiguous(), "ampinit.", op, ": param ", i,
+                " has remainders, so it must be a contiguous bfloat16 tensor; got ", param.scalar_type());
+    TORCH_CHECK(remainders[i].scalar_type() == at::kShort && remainders[i].is_contiguous() &&
+                    remainders[i].numel() == param.numel() && remainders[i].device() == param.device(),
+                "ampinit.", op, ": remainders[", i, "] must be a contiguous int16 tensor of the param's size "
+                "on its device");
+    TORCH_CHECK(ties[i].scalar_type() == at::kInt && ties[i].is_contiguous() &&
+                    ties[i].numel() == (param.numel() + 31) / 32 && ties[i].device() == param.device(),
+                "ampinit.", op, ": ties[", i, "] must be a contiguous int32 tensor of ceil(numel / 32) = ",
+                (param.numel() + 31) / 32, " elements on the param's device");
   }
 }
 

@@ -29,8 +29,21 @@ struct SgdParams {
   float inv_scale;
 };
 
-// Params and their optimizer state share one dtype (`param_type`); `model_type` is
-// c10::ScalarType::Undefined when there is no model copy (always, for 16-bit params).
+// The dtypes of one fused-optimizer row: `state` is the optimizer state's (the param's, float32 or
+// bfloat16); `model` is c10::ScalarType::Undefined without a model copy (always, for 16-bit params).
+struct OptimizerTypes {
+  c10::ScalarType param, grad, state, model;
+};
+
+// A bfloat16 param kept with remainders (remainder masters, see kernels.h): the remainders of
+// the range, and the tensor's tie words with the index of the range's first element in the
+// tensor.  `remainder` is null for a param without them.
+struct MasterRemainder {
+  int16_t* remainder;
+  uint32_t* ties;
+  int64_t base;
+};
+
 struct KernelTable {
   const char* name;
   // y = x * inv_scale.  Returns true if a value written to y is inf/NaN (a finite product
@@ -53,13 +66,11 @@ struct KernelTable {
   // Sum of squares, each square and the sum in double.
   double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);
   // One Adam/AdamW update of params and state; `model` (may be null) gets the new params.
-  void (*adam)(const AdamParams& p, c10::ScalarType param_type, c10::ScalarType grad_type,
-               c10::ScalarType model_type, void* param, const void* grad, void* exp_avg,
-               void* exp_avg_sq, void* model, int64_t n);
+  void (*adam)(const AdamParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
+               const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n);
   // One SGD update; `momentum_buffer` is null without momentum.
-  void (*sgd)(const SgdParams& p, c10::ScalarType param_type, c10::ScalarType grad_type,
-              c10::ScalarType model_type, void* param, const void* grad, void* momentum_buffer,
-              void* model, int64_t n);
+  void (*sgd)(const SgdParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
+              const void* grad, void* momentum_buffer, void* model, int64_t n);
 };
 
 const KernelTable& default_kernels();

@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -225,10 +226,104 @@ inline FloatVec lerp(const FloatVec& self, const FloatVec& end, float weight) {
   return at::vec::fmadd(FloatVec(weight - 1.0f), end - self, end);
 }
 
-// Adam/AdamW of params of type P (float, or 16-bit with 16-bit state), with torch.optim's
-// fused kernels' order of operations; every value is computed in float and rounded once.
-template <typename P, typename Grad, typename Model>
-void adam(const AdamParams& p, P* param, const Grad* grad, P* exp_avg, P* exp_avg_sq, Model* model, int64_t n) {
+// -- remainder masters: an FP32 master kept as its bfloat16 rounding plus an int16 remainder ----
+//
+// bits(master) = (bits(weight) << 16) + remainder (+ 0x10000 when the tie bit is set), mod 2^32,
+// where weight is the round-to-nearest-even of the master.  A bfloat16 value of even mantissa is
+// the rounding of 65537 floats (both ties included), one more than 16 bits tell apart: the tie
+// bit (bit j % 32 of word j / 32, j the element's index) marks the upper tie, remainder +32768,
+// stored as -32768.  It is read and written only where the remainder is -32768, so the words
+// are touched rarely, with atomics (chunks may share a word).
+
+inline uint32_t float_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+inline float bits_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+inline bool tie_bit(const uint32_t* ties, int64_t j) {
+  return (__atomic_load_n(ties + (j >> 5), __ATOMIC_RELAXED) >> (j & 31)) & 1u;
+}
+
+inline void set_tie_bit(uint32_t* ties, int64_t j, bool value) {
+  const uint32_t mask = 1u << (j & 31);
+  if (tie_bit(ties, j) == value) return;
+  if (value) {
+    __atomic_fetch_or(ties + (j >> 5), mask, __ATOMIC_RELAXED);
+  } else {
+    __atomic_fetch_and(ties + (j >> 5), ~mask, __ATOMIC_RELAXED);
+  }
+}
+
+inline float join_master(uint16_t weight, int16_t remainder, bool tie) {
+  return bits_float((static_cast<uint32_t>(weight) << 16) + static_cast<uint32_t>(static_cast<int32_t>(remainder)) +
+                    (tie ? 0x10000u : 0u));
+}
+
+// weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
+inline void split_master(float master, uint16_t& weight, int16_t& remainder, bool& tie) {
+  const uint32_t bits = float_bits(master);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    weight = 0x7fc0;
+    remainder = 0;
+    tie = false;
+    return;
+  }
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const int32_t rest = static_cast<int32_t>(bits - (rounded << 16));  // in [-32768, 32768]
+  weight = static_cast<uint16_t>(rounded);
+  tie = rest == 32768;
+  remainder = static_cast<int16_t>(tie ? -32768 : rest);
+}
+
+template <typename P, bool Remainder>
+inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int64_t count, FloatVec& lo,
+                       FloatVec& hi) {
+  if constexpr (!Remainder) {
+    load_n(param + i, count, lo, hi);
+  } else {
+    alignas(64) float buffer[kStep] = {};
+    for (int64_t k = 0; k < count; ++k) {
+      const int16_t rest = r.remainder[i + k];
+      const bool tie = rest == -32768 && tie_bit(r.ties, r.base + i + k);
+      buffer[k] = join_master(param[i + k].x, rest, tie);
+    }
+    lo = FloatVec::loadu(buffer);
+    hi = FloatVec::loadu(buffer + FloatVec::size());
+  }
+}
+
+template <typename P, bool Remainder>
+inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t count, const FloatVec& lo,
+                        const FloatVec& hi) {
+  if constexpr (!Remainder) {
+    store_n(param + i, count, lo, hi);
+  } else {
+    alignas(64) float buffer[kStep];
+    lo.store(buffer);
+    hi.store(buffer + FloatVec::size());
+    for (int64_t k = 0; k < count; ++k) {
+      int16_t rest;
+      bool tie;
+      split_master(buffer[k], param[i + k].x, rest, tie);
+      r.remainder[i + k] = rest;
+      if (rest == -32768) set_tie_bit(r.ties, r.base + i + k, tie);
+    }
+  }
+}
+
+// Adam/AdamW of params of type P with state of type S (P, float32 or bfloat16), with
+// torch.optim's fused kernels' order of operations; every value is computed in float and
+// rounded once.  With Remainder (P = bfloat16), the param and its remainder are the FP32 master.
+template <typename P, typename Grad, typename S, typename Model, bool Remainder>
+void adam(const AdamParams& p, P* param, const MasterRemainder& r, const Grad* grad, S* exp_avg, S* exp_avg_sq,
+          Model* model, int64_t n) {
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), decay(p.decay);
   const FloatVec beta2(p.beta2), one_minus_beta2(p.one_minus_beta2);
   const FloatVec eps(p.eps), neg_step_size(-p.step_size), bc2_sqrt(p.bias_correction2_sqrt);
@@ -237,7 +332,7 @@ void adam(const AdamParams& p, P* param, const Grad* grad, P* exp_avg, P* exp_av
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec g[2], w[2], m[2], v[2];
     load_n(grad + i, count, g[0], g[1]);
-    load_n(param + i, count, w[0], w[1]);
+    load_param<P, Remainder>(param, r, i, count, w[0], w[1]);
     load_n(exp_avg + i, count, m[0], m[1]);
     load_n(exp_avg_sq + i, count, v[0], v[1]);
     for (int h = 0; h < 2; ++h) {
@@ -249,7 +344,7 @@ void adam(const AdamParams& p, P* param, const Grad* grad, P* exp_avg, P* exp_av
       const FloatVec denom = v[h].sqrt() / bc2_sqrt + eps;
       w[h] = w[h] + neg_step_size * m[h] / denom;
     }
-    store_n(param + i, count, w[0], w[1]);
+    store_param<P, Remainder>(param, r, i, count, w[0], w[1]);
     store_n(exp_avg + i, count, m[0], m[1]);
     store_n(exp_avg_sq + i, count, v[0], v[1]);
     if constexpr (!std::is_same_v<Model, void>) store_n(model + i, count, w[0], w[1]);
@@ -257,14 +352,15 @@ void adam(const AdamParams& p, P* param, const Grad* grad, P* exp_avg, P* exp_av
 }
 
 // SGD with momentum, dampening, nesterov and weight decay, as torch.optim.SGD computes it.
-template <typename P, typename Grad, typename Model>
-void sgd(const SgdParams& p, P* param, const Grad* grad, P* buffer, Model* model, int64_t n) {
+template <typename P, typename Grad, typename S, typename Model, bool Remainder>
+void sgd(const SgdParams& p, P* param, const MasterRemainder& r, const Grad* grad, S* buffer, Model* model,
+         int64_t n) {
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), momentum(p.momentum);
   const FloatVec one_minus_dampening(p.one_minus_dampening), neg_lr(-p.lr);
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec g[2], w[2], b[2];
     load_n(grad + i, count, g[0], g[1]);
-    load_n(param + i, count, w[0], w[1]);
+    load_param<P, Remainder>(param, r, i, count, w[0], w[1]);
     if (buffer != nullptr && !p.new_buffer) load_n(buffer + i, count, b[0], b[1]);
     for (int h = 0; h < 2; ++h) {
       g[h] = g[h] * inv;
@@ -275,7 +371,7 @@ void sgd(const SgdParams& p, P* param, const Grad* grad, P* buffer, Model* model
       }
       w[h] = at::vec::fmadd(g[h], neg_lr, w[h]);
     }
-    store_n(param + i, count, w[0], w[1]);
+    store_param<P, Remainder>(param, r, i, count, w[0], w[1]);
     if (buffer != nullptr) store_n(buffer + i, count, b[0], b[1]);
     if constexpr (!std::is_same_v<Model, void>) store_n(model + i, count, w[0], w[1]);
   });
@@ -299,18 +395,43 @@ inline auto with_model_type(c10::ScalarType type, const Fn& fn) {
   return with_type(type, [&](auto tag) { return fn(static_cast<decltype(tag)*>(nullptr)); });
 }
 
-// The optimizers' type combinations: float params with any grad and an optional 16-bit model
-// copy; 16-bit params (with 16-bit state) with any grad and no model copy.  fn gets
-// (P* tag, G tag, M* tag), M = void for no model.
+// The optimizers' type combinations, fn(P* tag, G tag, S* tag, M* tag, Remainder): float
+// params with state float32 or bfloat16 and an optional 16-bit model copy; float16 params with
+// float16 or float32 state; bfloat16 params with bfloat16 or float32 state, with or without
+// remainders; 16-bit params have no model copy.  M = void for no model.
 template <typename Fn>
-inline void with_optimizer_types(c10::ScalarType param_type, c10::ScalarType grad_type,
-                                 c10::ScalarType model_type, const Fn& fn) {
+inline void with_optimizer_types(c10::ScalarType param_type, c10::ScalarType grad_type, c10::ScalarType state_type,
+                                 c10::ScalarType model_type, bool remainder, const Fn& fn) {
+  constexpr auto no_model = static_cast<void*>(nullptr);
   with_type(grad_type, [&](auto grad_tag) {
+    auto with_state = [&](auto* param_tag, auto* narrow_state_tag, auto&& go) {
+      using P = std::remove_pointer_t<decltype(param_tag)>;
+      using Narrow = std::remove_pointer_t<decltype(narrow_state_tag)>;
+      if (state_type == c10::CppTypeToScalarType<P>::value) {
+        go(static_cast<P*>(nullptr));
+      } else if (state_type == c10::ScalarType::Float) {
+        go(static_cast<float*>(nullptr));
+      } else {
+        go(static_cast<Narrow*>(nullptr));
+      }
+    };
     if (param_type == c10::ScalarType::Float) {
-      with_model_type(model_type, [&](auto* model_tag) { fn(static_cast<float*>(nullptr), grad_tag, model_tag); });
+      with_state(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr), [&](auto* state_tag) {
+        with_model_type(model_type, [&](auto* model_tag) {
+          fn(static_cast<float*>(nullptr), grad_tag, state_tag, model_tag, std::false_type{});
+        });
+      });
+    } else if (param_type == c10::ScalarType::Half) {
+      with_state(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr), [&](auto* state_tag) {
+        fn(static_cast<c10::Half*>(nullptr), grad_tag, state_tag, no_model, std::false_type{});
+      });
     } else {
-      with_type(param_type, [&](auto param_tag) {
-        fn(static_cast<decltype(param_tag)*>(nullptr), grad_tag, static_cast<void*>(nullptr));
+      with_state(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr), [&](auto* state_tag) {
+        if (remainder) {
+          fn(static_cast<c10::BFloat16*>(nullptr), grad_tag, state_tag, no_model, std::true_type{});
+        } else {
+          fn(static_cast<c10::BFloat16*>(nullptr), grad_tag, state_tag, no_model, std::false_type{});
+        }
       });
     }
   });
@@ -362,24 +483,29 @@ inline const KernelTable& table(const char* name) {
           return sum_of_squares(static_cast<const decltype(i)*>(x), n);
         });
       },
-      [](const AdamParams& p, c10::ScalarType param_type, c10::ScalarType grad_type, c10::ScalarType model_type,
-         void* param, const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n) {
-        with_optimizer_types(param_type, grad_type, model_type, [&](auto* param_tag, auto grad_tag, auto* model_tag) {
+      [](const AdamParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
+         const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n) {
+        with_optimizer_types(types.param, types.grad, types.state, types.model, r.remainder != nullptr,
+                             [&](auto* param_tag, auto grad_tag, auto* state_tag, auto* model_tag, auto remainder) {
           using P = std::remove_pointer_t<decltype(param_tag)>;
           using G = decltype(grad_tag);
+          using S = std::remove_pointer_t<decltype(state_tag)>;
           using M = std::remove_pointer_t<decltype(model_tag)>;
-          adam(p, static_cast<P*>(param), static_cast<const G*>(grad), static_cast<P*>(exp_avg),
-               static_cast<P*>(exp_avg_sq), static_cast<M*>(model), n);
+          adam<P, G, S, M, decltype(remainder)::value>(p, static_cast<P*>(param), r, static_cast<const G*>(grad),
+                                                       static_cast<S*>(exp_avg), static_cast<S*>(exp_avg_sq),
+                                                       static_cast<M*>(model), n);
         });
       },
-      [](const SgdParams& p, c10::ScalarType param_type, c10::ScalarType grad_type, c10::ScalarType model_type,
-         void* param, const void* grad, void* buffer, void* model, int64_t n) {
-        with_optimizer_types(param_type, grad_type, model_type, [&](auto* param_tag, auto grad_tag, auto* model_tag) {
+      [](const SgdParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r, const void* grad,
+         void* buffer, void* model, int64_t n) {
+        with_optimizer_types(types.param, types.grad, types.state, types.model, r.remainder != nullptr,
+                             [&](auto* param_tag, auto grad_tag, auto* state_tag, auto* model_tag, auto remainder) {
           using P = std::remove_pointer_t<decltype(param_tag)>;
           using G = decltype(grad_tag);
+          using S = std::remove_pointer_t<decltype(state_tag)>;
           using M = std::remove_pointer_t<decltype(model_tag)>;
-          sgd(p, static_cast<P*>(param), static_cast<const G*>(grad), static_cast<P*>(buffer),
-              static_cast<M*>(model), n);
+          sgd<P, G, S, M, decltype(remainder)::value>(p, static_cast<P*>(param), r, static_cast<const G*>(grad),
+                                                      static_cast<S*>(buffer), static_cast<M*>(model), n);
         });
       },
   };

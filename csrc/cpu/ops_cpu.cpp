@@ -269,14 +269,23 @@ void* address_or_null(const std::vector<at::Tensor>* list, size_t t, int64_t off
   return list == nullptr ? nullptr : at_offset((*list)[t], offset);
 }
 
+// The remainders of param t from element `offset` on (contiguous, so used in place), if any.
+MasterRemainder remainder_at(at::TensorList remainders, at::TensorList ties, size_t t, int64_t offset) {
+  if (remainders.empty()) return {nullptr, nullptr, 0};
+  return {remainders[t].data_ptr<int16_t>() + offset, reinterpret_cast<uint32_t*>(ties[t].data_ptr<int32_t>()),
+          offset};
+}
+
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                 at::TensorList steps, at::TensorList models, double lr_arg, double beta1_arg, double beta2_arg,
+                 at::TensorList steps, at::TensorList models, at::TensorList remainders, at::TensorList ties,
+                 double lr_arg, double beta1_arg, double beta2_arg,
                  double eps_arg, double weight_decay_arg, bool decoupled_weight_decay, bool bias_correction,
                  const at::Tensor& inv_scale, const at::Tensor& found_inf, const std::optional<at::Tensor>& hyper) {
   check_flag("fused_adam_", "inv_scale", inv_scale, at::kCPU);
   check_flag("fused_adam_", "found_inf", found_inf, at::kCPU);
   check_hyper("fused_adam_", hyper, 5, "[lr, beta1, beta2, eps, weight_decay]", at::kCPU);
   check_optimizer_lists("fused_adam_", params, grads, {exp_avgs, exp_avg_sqs}, steps, models, at::kCPU);
+  check_remainders("fused_adam_", params, remainders, ties, models);
   if (found_inf.data_ptr<float>()[0] != 0.0f) return;  // the skipped step leaves everything as it was
   const auto h = hyper_values(hyper, {lr_arg, beta1_arg, beta2_arg, eps_arg, weight_decay_arg});
   const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], weight_decay = h[4];
@@ -308,8 +317,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   const std::vector<at::Tensor>* model = models.empty() ? nullptr : &rows.list(4);
   for_each_chunk(p, [&](const Chunk& c) {
     const size_t t = c.tensor;
-    k.adam(per_tensor[t], p[t].scalar_type(), g[t].scalar_type(), type_or_undefined(model, t),
-           at_offset(p[t], c.begin), at_offset(g[t], c.begin), at_offset(m[t], c.begin), at_offset(v[t], c.begin),
+    const OptimizerTypes types{p[t].scalar_type(), g[t].scalar_type(), m[t].scalar_type(),
+                               type_or_undefined(model, t)};
+    k.adam(per_tensor[t], types, at_offset(p[t], c.begin), remainder_at(remainders, ties, t, c.begin),
+           at_offset(g[t], c.begin), at_offset(m[t], c.begin), at_offset(v[t], c.begin),
            address_or_null(model, t, c.begin), c.size);
     return false;
   });
@@ -317,7 +328,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, at::TensorList steps,
-                at::TensorList models, double lr_arg, double momentum_arg, double dampening_arg,
+                at::TensorList models, at::TensorList remainders, at::TensorList ties, double lr_arg, double momentum_arg, double dampening_arg,
                 double weight_decay_arg, bool nesterov, const at::Tensor& inv_scale, const at::Tensor& found_inf,
                 at::TensorList new_buffer_flags, const std::optional<at::Tensor>& hyper) {
   check_flag("fused_sgd_", "inv_scale", inv_scale, at::kCPU);
@@ -332,6 +343,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   if (has_momentum) states.push_back(momentum_buffers);
   check_optimizer_lists("fused_sgd_", params, grads, states, steps, models, at::kCPU);
   check_new_buffer_flags("fused_sgd_", new_buffer_flags, momentum_buffers.size(), at::kCPU);
+  check_remainders("fused_sgd_", params, remainders, ties, models);
   if (found_inf.data_ptr<float>()[0] != 0.0f) return;
   const auto h = hyper_values(hyper, {lr_arg, momentum_arg, dampening_arg, weight_decay_arg});
   const double lr = h[0], momentum = h[1], dampening = h[2], weight_decay = h[3];
@@ -361,9 +373,11 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   const std::vector<at::Tensor>* model = models.empty() ? nullptr : &rows.list(model_list);
   for_each_chunk(p, [&](const Chunk& c) {
     const size_t t = c.tensor;
-    k.sgd(per_tensor[t], p[t].scalar_type(), g[t].scalar_type(), type_or_undefined(model, t),
-          at_offset(p[t], c.begin), at_offset(g[t], c.begin), address_or_null(buffers, t, c.begin),
-          address_or_null(model, t, c.begin), c.size);
+    const OptimizerTypes types{p[t].scalar_type(), g[t].scalar_type(),
+                               buffers == nullptr ? p[t].scalar_type() : (*buffers)[t].scalar_type(),
+                               type_or_undefined(model, t)};
+    k.sgd(per_tensor[t], types, at_offset(p[t], c.begin), remainder_at(remainders, ties, t, c.begin),
+          at_offset(g[t], c.begin), address_or_null(buffers, t, c.begin), address_or_null(model, t, c.begin), c.size);
     return false;
   });
   rows.finish();
