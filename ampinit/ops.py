@@ -295,7 +295,8 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
-                                      list(model_params), list(remainders), list(ties), float(lr), float(beta1), float(beta2), float(eps),
+                                      list(model_params), list(remainders), list(ties), float(lr), float(beta1),
+                                      float(beta2), float(eps),
                                       float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
                                       inv_scale, found_inf, hyper)
     else:
@@ -328,7 +329,8 @@ def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Ten
         new_buffer_flags = [(step == 0).float().reshape(1) for step in steps] if momentum_buffers else []
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_sgd_(params, list(grads), list(momentum_buffers), list(steps), list(model_params),
-                                     list(remainders), list(ties), float(lr), float(momentum), float(dampening), float(weight_decay),
+                                     list(remainders), list(ties), float(lr), float(momentum), float(dampening),
+                                     float(weight_decay),
                                      bool(nesterov), inv_scale, found_inf, list(new_buffer_flags), hyper)
     else:
         _fallback.fused_sgd_(params, grads, momentum_buffers, steps, model_params, lr=lr, momentum=momentum,

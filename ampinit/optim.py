@@ -175,22 +175,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """``torch.optim``'s loading, except that floating-point state keeps the precision it was
-        saved in: torch casts it to each param's dtype, which would round a bfloat16 param's FP32
-        moments (remainder masters).  Each step then uses the state dtype it needs."""
+        saved in (torch casts it to each param's dtype, which would round a bfloat16 param's FP32
+        moments: remainder masters; each step then uses the state dtype it needs), and the state
+        is a copy (torch keeps the checkpoint's tensors where no cast is needed, and the kernels
+        update them in place: the checkpoint would change as training goes on)."""
         saved = {}
         for index, param_state in state_dict.get("state", {}).items():
             if isinstance(param_state, dict):
-                saved[index] = {key: value for key, value in param_state.items()
-                                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()}
+                saved[index] = {key: value for key, value in param_state.items() if isinstance(value, torch.Tensor)}
         super().load_state_dict(state_dict)
         ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         params = [param for group in self.param_groups for param in group["params"]]
         for index, param in zip(ids, params):
+            state = self.state.get(param, {})
             for key, value in saved.get(index, {}).items():
-                loaded = self.state[param].get(key)
-                if isinstance(loaded, torch.Tensor) and loaded.dtype != value.dtype and \
+                loaded = state.get(key)
+                if not isinstance(loaded, torch.Tensor):
+                    continue
+                if key != "step" and value.is_floating_point() and loaded.dtype != value.dtype and \
                         value.element_size() > loaded.element_size():
-                    self.state[param][key] = value.to(device=param.device, copy=True)
+                    state[key] = value.to(device=param.device, copy=True)
+                elif loaded.data_ptr() == value.data_ptr():
+                    state[key] = loaded.clone()
 
     # -- device-resident hyper-parameters (capturable=True) ----------------------------------
     def _device_scalar(self, group: dict, key: str, value: Any, device: torch.device) -> torch.Tensor:

@@ -386,8 +386,8 @@ def test_failed_copy_leaves_steps_alone():
     huge = [torch.zeros(1, device="cuda").expand(n) for _ in range(4)]  # stride 0: copied to be dense
     steps = [torch.zeros((), device="cuda")]
     with pytest.raises(RuntimeError):
-        torch.ops.ampinit.fused_adam_([huge[0]], [huge[1]], [huge[2]], [huge[3]], steps, [], [], [], 1e-3, 0.9, 0.999, 1e-8,
-                                      0.0, True, True, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"),
-                                      None)
+        torch.ops.ampinit.fused_adam_([huge[0]], [huge[1]], [huge[2]], [huge[3]], steps, [], [], [], 1e-3, 0.9,
+                                      0.999, 1e-8, 0.0, True, True, torch.ones(1, device="cuda"),
+                                      torch.zeros(1, device="cuda"), None)
     torch.cuda.synchronize()
     assert steps[0].item() == 0.0

@@ -175,7 +175,8 @@ def test_update_scale_kernel_equals_fallback(device):
     (lambda d: torch.ops.ampinit.check_finite_([torch.ones(3, device=d)], torch.zeros(1, device=d),
                                                torch.zeros(2, device=d)), "one element per input"),
     (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d, dtype=torch.float16)],
-                                             [torch.ones(3, device=d)], [torch.zeros(3, device=d, dtype=torch.bfloat16)],
+                                             [torch.ones(3, device=d)],
+                                             [torch.zeros(3, device=d, dtype=torch.bfloat16)],
                                              [torch.zeros(3, device=d, dtype=torch.bfloat16)],
                                              [torch.zeros((), device=d)], [], [], [],
                                              1e-3, 0.9, 0.999, 1e-8, 0.0, False, True,
@@ -184,22 +185,24 @@ def test_update_scale_kernel_equals_fallback(device):
     (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d, dtype=torch.float16)],
                                              [torch.ones(3, device=d)], [torch.zeros(3, device=d, dtype=torch.half)],
                                              [torch.zeros(3, device=d, dtype=torch.half)],
-                                             [torch.zeros((), device=d)], [torch.zeros(3, device=d, dtype=torch.half)], [], [],
+                                             [torch.zeros((), device=d)],
+                                             [torch.zeros(3, device=d, dtype=torch.half)], [], [],
                                              1e-3, 0.9, 0.999, 1e-8, 0.0, False, True,
                                              torch.ones(1, device=d), torch.zeros(1, device=d)),
      "model copies are for float32"),
     (lambda d: torch.ops.ampinit.fused_adam_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
                                              [torch.zeros(3, device=d)], [torch.zeros(3, device=d)],
-                                             [torch.zeros((), device=d)], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, False,
-                                             True, torch.ones(1, device=d), torch.zeros(1, device=d),
+                                             [torch.zeros((), device=d)], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0,
+                                             False, True, torch.ones(1, device=d), torch.zeros(1, device=d),
                                              torch.zeros(5, device=d)), "hyper must be a contiguous float64"),
     (lambda d: torch.ops.ampinit.fused_sgd_([torch.ones(3, device=d)], [torch.ones(3, device=d)], [],
                                             [torch.zeros((), device=d)], [], [], [], 0.1, 0.9, 0.0, 0.0, False,
                                             torch.ones(1, device=d), torch.zeros(1, device=d), []),
      "momentum buffer"),
     (lambda d: torch.ops.ampinit.fused_sgd_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
-                                            [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [], [], [], 0.1, 0.9,
-                                            0.0, 0.0, False, torch.ones(1, device=d), torch.zeros(1, device=d), []),
+                                            [torch.zeros(3, device=d)], [torch.zeros((), device=d)], [], [], [], 0.1,
+                                            0.9, 0.0, 0.0, False, torch.ones(1, device=d), torch.zeros(1, device=d),
+                                            []),
      "new_buffer_flags must have the same length"),
     (lambda d: torch.ops.ampinit.adopt_changes_([torch.ones(3, device=d, dtype=torch.half)],
                                                 [torch.ones(3, device=d, dtype=torch.half)]), "masters are float32"),
@@ -301,8 +304,8 @@ def test_fused_adam_kernel_equals_fallback(param_dtypes, grad_dtypes, with_model
                 [r["b"] for r in rows], steps, models)
         flags = (torch.full((1,), 1 / 64.0, device=device), torch.full((1,), found, device=device))
         if impl == "kernel":
-            torch.ops.ampinit.fused_adam_(*args, [], [], *(0.0 if capturable else v for v in hyper.values()), False, True,
-                                          *flags, vector)
+            torch.ops.ampinit.fused_adam_(*args, [], [], *(0.0 if capturable else v for v in hyper.values()), False,
+                                          True, *flags, vector)
         else:
             _fallback.fused_adam_(*args, **hyper, decoupled_weight_decay=False, bias_correction=True,
                                   inv_scale=flags[0], found_inf=flags[1], hyper=vector)

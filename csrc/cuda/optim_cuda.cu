@@ -9,6 +9,9 @@
 //
 // The arithmetic is the CPU kernels' (cpu/kernels.h), in float32 with the same fused
 // multiply-adds, so both follow torch.optim's fused kernels; each stored value is rounded once.
+// The optimizer state has a dtype of its own (the param's, float32, or bfloat16 beside float32
+// params), and bfloat16 params may keep remainders: their FP32 masters, joined before the
+// update and split after it as cpu/kernels.h does.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,24 +30,49 @@ namespace {
 
 struct NoModel {};  // the model-copy type of a call without model copies
 
-// The optimizers' type combinations: float params with any grad and an optional 16-bit model
-// copy; 16-bit params (16-bit state) with any grad and no model copy.  fn(P{}, G{}, M{}).
+// The optimizers' type combinations, fn(P{}, G{}, S{}, M{}, std::bool_constant<Remainder>{}):
+// float params with float32 or bfloat16 state and an optional 16-bit model copy; float16 params
+// with float16 or float32 state; bfloat16 params with bfloat16 or float32 state, with or without
+// remainders; any grad.  16-bit params have no model copy.  check_optimizer_lists admits no
+// other state dtype, so each branch instantiates only the two states its param allows.
 template <typename Fn>
-void with_optimizer_types(c10::ScalarType param, c10::ScalarType grad, std::optional<c10::ScalarType> model,
-                          const Fn& fn) {
+void with_optimizer_types(c10::ScalarType param, c10::ScalarType grad, c10::ScalarType state,
+                          std::optional<c10::ScalarType> model, bool remainder, const Fn& fn) {
   with_type(grad, [&](auto g) {
     if (param == at::kFloat) {
-      if (!model.has_value()) {
-        fn(float{}, g, NoModel{});
-      } else if (*model == at::kHalf) {
-        fn(float{}, g, at::Half{});
+      auto with_model = [&](auto s) {
+        if (!model.has_value()) {
+          fn(float{}, g, s, NoModel{}, std::false_type{});
+        } else if (*model == at::kHalf) {
+          fn(float{}, g, s, at::Half{}, std::false_type{});
+        } else {
+          fn(float{}, g, s, at::BFloat16{}, std::false_type{});
+        }
+      };
+      if (state == at::kBFloat16) {
+        with_model(at::BFloat16{});
       } else {
-        fn(float{}, g, at::BFloat16{});
+        with_model(float{});
       }
     } else if (param == at::kHalf) {
-      fn(at::Half{}, g, NoModel{});
+      if (state == at::kFloat) {
+        fn(at::Half{}, g, float{}, NoModel{}, std::false_type{});
+      } else {
+        fn(at::Half{}, g, at::Half{}, NoModel{}, std::false_type{});
+      }
     } else {
-      fn(at::BFloat16{}, g, NoModel{});
+      auto with_remainder = [&](auto s) {
+        if (remainder) {
+          fn(at::BFloat16{}, g, s, NoModel{}, std::true_type{});
+        } else {
+          fn(at::BFloat16{}, g, s, NoModel{}, std::false_type{});
+        }
+      };
+      if (state == at::kFloat) {
+        with_remainder(float{});
+      } else {
+        with_remainder(at::BFloat16{});
+      }
     }
   });
 }
@@ -62,11 +90,162 @@ __device__ __forceinline__ float lerp(float self, float end, float weight) {
   return fabsf(weight) < 0.5f ? fmaf(weight, end - self, self) : fmaf(weight - 1.0f, end - self, end);
 }
 
-// Lists: param, grad, exp_avg, exp_avg_sq[, model]; meta.scalars[0]: the step counters (not yet
-// advanced for this step).
-template <typename P, typename G, typename M>
+// The scalar head of a chunk aligns its widest array: the param or the state (float32 state
+// beside 16-bit params).  `state` is null for SGD without momentum.
+template <typename P, typename S>
+__device__ __forceinline__ int head_for(const P* param, const S* state) {
+  if constexpr (sizeof(S) > sizeof(P)) {
+    if (state != nullptr) return head_to_align(state);
+  }
+  return head_to_align(param);
+}
+
+// -- remainder masters (cpu/kernels.h): a bfloat16 weight, an int16 remainder and a tie bit ----
+//
+// bits(master) = (bits(weight) << 16) + remainder (+ 0x10000 when the tie bit is set), mod 2^32.
+// The tie bit of element j is bit j % 32 of word j / 32; it is read and written only where the
+// remainder is -32768.  One thread owns an element, so only it changes the element's bit, but
+// the word's other bits belong to other threads of the block (a chunk, 65536 elements, never
+// splits a word): a write is an atomicOr / atomicAnd of the one bit, and a read is volatile, as
+// the word changes under those atomics during the kernel.
+
+__device__ __forceinline__ bool tie_bit(const uint32_t* ties, int64_t j) {
+  return (*reinterpret_cast<const volatile uint32_t*>(ties + (j >> 5)) >> (j & 31)) & 1u;
+}
+
+__device__ __forceinline__ void set_tie_bit(uint32_t* ties, int64_t j, bool value) {
+  if (tie_bit(ties, j) == value) return;  // the common case writes nothing
+  const uint32_t mask = 1u << (j & 31);
+  if (value) {
+    atomicOr(reinterpret_cast<unsigned int*>(ties + (j >> 5)), mask);
+  } else {
+    atomicAnd(reinterpret_cast<unsigned int*>(ties + (j >> 5)), ~mask);
+  }
+}
+
+__device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder, bool tie) {
+  return __uint_as_float((static_cast<uint32_t>(weight) << 16) +
+                         static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u));
+}
+
+// weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
+__device__ __forceinline__ void split_master(float master, uint16_t& weight, int16_t& remainder, bool& tie) {
+  const uint32_t bits = __float_as_uint(master);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    weight = 0x7fc0;
+    remainder = 0;
+    tie = false;
+    return;
+  }
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const int32_t rest = static_cast<int32_t>(bits - (rounded << 16));  // in [-32768, 32768]
+  weight = static_cast<uint16_t>(rounded);
+  tie = rest == 32768;
+  remainder = static_cast<int16_t>(tie ? -32768 : rest);
+}
+
+// Raw elements of an array, in vectors where aligned (the weights' and remainders' bits).
+template <typename T>
+__device__ __forceinline__ void load_bits(T (&out)[kILP], const ArrayRef<T>& a, int64_t i, int count) {
+  if (count == kILP && a.vectors) {
+    const Pack<T, kILP> pack = *reinterpret_cast<const Pack<T, kILP>*>(a.p + i);
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) out[k] = pack.values[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+      if (k >= count) break;
+      out[k] = a.p[i + k];
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_bits(const ArrayRef<T>& a, int64_t i, const T (&in)[kILP], int count) {
+  if (count == kILP && a.vectors) {
+    Pack<T, kILP> pack;
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) pack.values[k] = in[k];
+    *reinterpret_cast<Pack<T, kILP>*>(a.p + i) = pack;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+      if (k >= count) break;
+      a.p[i + k] = in[k];
+    }
+  }
+}
+
+// The params of one chunk as the update sees them, in float32: the P values, or with Remainder
+// (P = bfloat16) the FP32 masters joined from the weights, the remainders (list `list`) and the
+// tie words (list `list + 1`, whose address is the tensor's first word: chunk element i is
+// element range.start + i of the tensor).  The weights and remainders move in vectors where
+// aligned; the join and the split are per element.
+template <typename P, bool Remainder>
+struct ChunkParams {
+  ArrayRef<P> param;
+
+  template <typename Meta>
+  __device__ ChunkParams(const Meta&, int, const ChunkRange&, P* param_ptr, int head, int)
+      : param(param_ptr, head) {}
+  __device__ __forceinline__ void load(float (&out)[kILP], int64_t i, int count) const {
+    ::ampinit::cuda::load(out, param, i, count);
+  }
+  __device__ __forceinline__ void store(int64_t i, const float (&in)[kILP], int count) const {
+    ::ampinit::cuda::store(param, i, in, count);
+  }
+};
+
+template <>
+struct ChunkParams<at::BFloat16, true> {
+  ArrayRef<uint16_t> weight;     // the bfloat16 params' bits
+  ArrayRef<int16_t> remainder;
+  uint32_t* ties;                // the tensor's tie words
+  int64_t first;                 // the chunk's first element's index in the tensor
+
+  template <typename Meta>
+  __device__ ChunkParams(const Meta& meta, int t, const ChunkRange& range, at::BFloat16* param_ptr, int head,
+                         int list)
+      : weight(reinterpret_cast<uint16_t*>(param_ptr), head),
+        remainder(static_cast<int16_t*>(meta.addresses[list][t]) + range.start, head),
+        ties(static_cast<uint32_t*>(meta.addresses[list + 1][t])),
+        first(range.start) {}
+
+  __device__ __forceinline__ void load(float (&out)[kILP], int64_t i, int count) const {
+    uint16_t w[kILP];
+    int16_t r[kILP];
+    load_bits(w, weight, i, count);
+    load_bits(r, remainder, i, count);
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+      if (k >= count) break;
+      const bool tie = r[k] == -32768 && tie_bit(ties, first + i + k);
+      out[k] = join_master(w[k], r[k], tie);
+    }
+  }
+
+  __device__ __forceinline__ void store(int64_t i, const float (&in)[kILP], int count) const {
+    uint16_t w[kILP];
+    int16_t r[kILP];
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+      if (k >= count) break;
+      bool tie;
+      split_master(in[k], w[k], r[k], tie);
+      if (r[k] == -32768) set_tie_bit(ties, first + i + k, tie);
+    }
+    store_bits(weight, i, w, count);
+    store_bits(remainder, i, r, count);
+  }
+};
+
+// Lists: param, grad, exp_avg, exp_avg_sq[, model][, remainder, ties] (a model copy and
+// remainders never come together); meta.scalars[0]: the step counters (not yet advanced for
+// this step).
+template <typename P, typename G, typename S, typename M, bool Remainder>
 struct AdamFunctor {
   static constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  static constexpr int kDepth = 4 + (kModel ? 1 : 0) + (Remainder ? 2 : 0);
   Hyper<5> h;  // lr, beta1, beta2, eps, weight_decay
   bool decoupled_weight_decay, bias_correction;
   const float* inv_scale;
@@ -91,11 +270,12 @@ struct AdamFunctor {
 
     const ChunkRange range(meta.sizes[t], chunk);
     P* param_ptr = static_cast<P*>(meta.addresses[0][t]) + range.start;
-    const int head = head_to_align(param_ptr);  // three of the four or five arrays are P
-    const ArrayRef<P> param(param_ptr, head);
+    S* exp_avg_ptr = static_cast<S*>(meta.addresses[2][t]) + range.start;
+    const int head = head_for(param_ptr, exp_avg_ptr);
+    const ChunkParams<P, Remainder> param(meta, t, range, param_ptr, head, 4);
     const ArrayRef<const G> grad(static_cast<const G*>(meta.addresses[1][t]) + range.start, head);
-    const ArrayRef<P> exp_avg(static_cast<P*>(meta.addresses[2][t]) + range.start, head);
-    const ArrayRef<P> exp_avg_sq(static_cast<P*>(meta.addresses[3][t]) + range.start, head);
+    const ArrayRef<S> exp_avg(exp_avg_ptr, head);
+    const ArrayRef<S> exp_avg_sq(static_cast<S*>(meta.addresses[3][t]) + range.start, head);
     using ModelT = std::conditional_t<kModel, M, float>;
     ModelT* model_ptr = nullptr;
     if constexpr (kModel) model_ptr = static_cast<ModelT*>(meta.addresses[4][t]) + range.start;
@@ -106,7 +286,7 @@ struct AdamFunctor {
         Split(range.length, head),
         [&](int u, int64_t i, int count) {
           load(g[u], grad, i, count);
-          load(w[u], param, i, count);
+          param.load(w[u], i, count);
           load(m[u], exp_avg, i, count);
           load(v[u], exp_avg_sq, i, count);
         },
@@ -122,7 +302,7 @@ struct AdamFunctor {
             const float denom = sqrtf(v[u][k]) / bc2_sqrt + eps;
             w[u][k] = w[u][k] + neg_step_size * m[u][k] / denom;
           }
-          store(param, i, w[u], count);
+          param.store(i, w[u], count);
           store(exp_avg, i, m[u], count);
           store(exp_avg_sq, i, v[u], count);
           if constexpr (kModel) store(model, i, w[u], count);
@@ -130,10 +310,13 @@ struct AdamFunctor {
   }
 };
 
-// Lists: param, grad[, momentum_buffer][, model]; meta.scalars[0]: steps, [1]: new-buffer flags.
-template <typename P, typename G, typename M, bool HasMomentum>
+// Lists: param, grad[, momentum_buffer][, model][, remainder, ties]; meta.scalars[0]: steps,
+// [1]: new-buffer flags.  Without momentum S is P, and unused.
+template <typename P, typename G, typename S, typename M, bool Remainder, bool HasMomentum>
 struct SgdFunctor {
   static constexpr bool kModel = !std::is_same_v<M, NoModel>;
+  static constexpr int kRemainderList = HasMomentum ? 3 : 2;  // no model beside remainders
+  static constexpr int kDepth = kRemainderList + (kModel ? 1 : 0) + (Remainder ? 2 : 0);
   Hyper<4> h;  // lr, momentum, dampening, weight_decay
   bool nesterov;
   const float* inv_scale;
@@ -150,12 +333,12 @@ struct SgdFunctor {
 
     const ChunkRange range(meta.sizes[t], chunk);
     P* param_ptr = static_cast<P*>(meta.addresses[0][t]) + range.start;
-    const int head = head_to_align(param_ptr);
-    const ArrayRef<P> param(param_ptr, head);
+    S* buffer_ptr = nullptr;
+    if constexpr (HasMomentum) buffer_ptr = static_cast<S*>(meta.addresses[2][t]) + range.start;
+    const int head = head_for(param_ptr, buffer_ptr);
+    const ChunkParams<P, Remainder> param(meta, t, range, param_ptr, head, kRemainderList);
     const ArrayRef<const G> grad(static_cast<const G*>(meta.addresses[1][t]) + range.start, head);
-    P* buffer_ptr = nullptr;
-    if constexpr (HasMomentum) buffer_ptr = static_cast<P*>(meta.addresses[2][t]) + range.start;
-    const ArrayRef<P> buffer(buffer_ptr, head);
+    const ArrayRef<S> buffer(buffer_ptr, head);
     using ModelT = std::conditional_t<kModel, M, float>;
     ModelT* model_ptr = nullptr;
     if constexpr (kModel) model_ptr = static_cast<ModelT*>(meta.addresses[HasMomentum ? 3 : 2][t]) + range.start;
@@ -166,7 +349,7 @@ struct SgdFunctor {
         Split(range.length, head),
         [&](int u, int64_t i, int count) {
           load(g[u], grad, i, count);
-          load(w[u], param, i, count);
+          param.load(w[u], i, count);
           if constexpr (HasMomentum) {
             if (!new_buffer) load(b[u], buffer, i, count);
           }
@@ -183,7 +366,7 @@ struct SgdFunctor {
             }
             w[u][k] = fmaf(gk, -lr, w[u][k]);
           }
-          store(param, i, w[u], count);
+          param.store(i, w[u], count);
           if constexpr (HasMomentum) store(buffer, i, b[u], count);
           if constexpr (kModel) store(model, i, w[u], count);
         });
@@ -222,7 +405,7 @@ void finish_step(at::TensorList steps, at::TensorList new_buffer_flags, const at
 }
 
 // The call's dense lists with the per-row scalars (step, new-buffer flag) beside them, grouped
-// by the dtypes of (param, grad[, model]).
+// by the dtypes of all the lists (param, grad, state[, model]).
 struct Prepared {
   std::vector<std::vector<at::Tensor>> lists;
   std::vector<RowScalars> scalars;
@@ -245,15 +428,27 @@ Hyper<N> make_hyper(std::initializer_list<double> values, const std::optional<at
   return h;
 }
 
+// The rows' remainders and tie words as two more lists, beside the dense ones: params with
+// remainders are contiguous (check_remainders), so DenseRows used them in place, and the
+// remainders, contiguous too, line up with them element by element.  The tie words' list only
+// lends each row its base address (the launcher reads no list's size but the first's).
+void append_remainders(Prepared& call, at::TensorList remainders, at::TensorList ties) {
+  if (remainders.empty()) return;
+  call.lists.push_back(remainders.vec());
+  call.lists.push_back(ties.vec());
+}
+
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                 at::TensorList steps, at::TensorList models, double lr, double beta1, double beta2, double eps,
-                 double weight_decay, bool decoupled_weight_decay, bool bias_correction,
-                 const at::Tensor& inv_scale, const at::Tensor& found_inf, const std::optional<at::Tensor>& hyper) {
+                 at::TensorList steps, at::TensorList models, at::TensorList remainders, at::TensorList ties,
+                 double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
+                 bool bias_correction, const at::Tensor& inv_scale, const at::Tensor& found_inf,
+                 const std::optional<at::Tensor>& hyper) {
   const at::Device device = cuda_device_of("fused_adam_", {params, grads}, {&found_inf, &inv_scale});
   check_flag("fused_adam_", "inv_scale", inv_scale, device);
   check_flag("fused_adam_", "found_inf", found_inf, device);
   check_hyper("fused_adam_", hyper, 5, "[lr, beta1, beta2, eps, weight_decay]", device);
   check_optimizer_lists("fused_adam_", params, grads, {exp_avgs, exp_avg_sqs}, steps, models, device);
+  check_remainders("fused_adam_", params, remainders, ties, models);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec()};
@@ -265,19 +460,17 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   DenseRows rows(lists, written);  // may copy (and raise) before anything is launched
   Prepared call;
   for (size_t l = 0; l < lists.size(); ++l) call.lists.push_back(rows.list(l));
+  append_remainders(call, remainders, ties);
   for (const auto& step : steps) call.scalars.push_back({step.data_ptr<float>(), nullptr});
   const auto h = make_hyper<5>({lr, beta1, beta2, eps, weight_decay}, hyper);
   for_each_dtype_group(call, [&](const auto& sub, const auto& scalars, const auto& indices) {
     const auto model_type = models.empty() ? std::nullopt : std::optional(sub[4][0].scalar_type());
-    with_optimizer_types(sub[0][0].scalar_type(), sub[1][0].scalar_type(), model_type, [&](auto p, auto g, auto m) {
-      using Functor = AdamFunctor<decltype(p), decltype(g), decltype(m)>;
+    with_optimizer_types(sub[0][0].scalar_type(), sub[1][0].scalar_type(), sub[2][0].scalar_type(), model_type,
+                         !remainders.empty(), [&](auto p, auto g, auto s, auto m, auto remainder) {
+      using Functor = AdamFunctor<decltype(p), decltype(g), decltype(s), decltype(m), decltype(remainder)::value>;
       const Functor functor{h, decoupled_weight_decay, bias_correction, inv_scale.data_ptr<float>(),
                             found_inf.data_ptr<float>()};
-      if constexpr (Functor::kModel) {
-        launch<5>(sub, scalars, indices, functor);
-      } else {
-        launch<4>(sub, scalars, indices, functor);
-      }
+      launch<Functor::kDepth>(sub, scalars, indices, functor);
     });
   });
   finish_step(steps, {}, found_inf);
@@ -285,9 +478,9 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, at::TensorList steps,
-                at::TensorList models, double lr, double momentum, double dampening, double weight_decay,
-                bool nesterov, const at::Tensor& inv_scale, const at::Tensor& found_inf,
-                at::TensorList new_buffer_flags, const std::optional<at::Tensor>& hyper) {
+                at::TensorList models, at::TensorList remainders, at::TensorList ties, double lr, double momentum,
+                double dampening, double weight_decay, bool nesterov, const at::Tensor& inv_scale,
+                const at::Tensor& found_inf, at::TensorList new_buffer_flags, const std::optional<at::Tensor>& hyper) {
   const at::Device device = cuda_device_of("fused_sgd_", {params, grads}, {&found_inf, &inv_scale});
   check_flag("fused_sgd_", "inv_scale", inv_scale, device);
   check_flag("fused_sgd_", "found_inf", found_inf, device);
@@ -301,6 +494,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   if (has_momentum) states.push_back(momentum_buffers);
   check_optimizer_lists("fused_sgd_", params, grads, states, steps, models, device);
   check_new_buffer_flags("fused_sgd_", new_buffer_flags, momentum_buffers.size(), device);
+  check_remainders("fused_sgd_", params, remainders, ties, models);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   std::vector<std::vector<at::Tensor>> lists = {params.vec(), grads.vec()};
@@ -309,6 +503,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
     lists.push_back(momentum_buffers.vec());
     written.push_back(true);
   }
+  const size_t model_list = lists.size();
   if (!models.empty()) {
     lists.push_back(models.vec());
     written.push_back(true);
@@ -316,23 +511,30 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   DenseRows rows(lists, written);
   Prepared call;
   for (size_t l = 0; l < lists.size(); ++l) call.lists.push_back(rows.list(l));
+  append_remainders(call, remainders, ties);
   for (size_t i = 0; i < steps.size(); ++i) {
     call.scalars.push_back({steps[i].data_ptr<float>(), has_momentum ? new_buffer_flags[i].data_ptr<float>() : nullptr});
   }
   const auto h = make_hyper<4>({lr, momentum, dampening, weight_decay}, hyper);
   for_each_dtype_group(call, [&](const auto& sub, const auto& scalars, const auto& indices) {
-    const auto model_type = models.empty() ? std::nullopt : std::optional(sub.back()[0].scalar_type());
-    with_optimizer_types(sub[0][0].scalar_type(), sub[1][0].scalar_type(), model_type, [&](auto p, auto g, auto m) {
+    const auto model_type = models.empty() ? std::nullopt : std::optional(sub[model_list][0].scalar_type());
+    // Without momentum there is no state: S = P, one instantiation per param dtype.
+    const auto state_type = has_momentum ? sub[2][0].scalar_type() : sub[0][0].scalar_type();
+    with_optimizer_types(sub[0][0].scalar_type(), sub[1][0].scalar_type(), state_type, model_type,
+                         !remainders.empty(), [&](auto p, auto g, auto s, auto m, auto remainder) {
       using P = decltype(p);
       using G = decltype(g);
+      using S = decltype(s);
       using M = decltype(m);
-      constexpr bool kModel = !std::is_same_v<M, NoModel>;
+      constexpr bool kRemainder = decltype(remainder)::value;
       const float* inv = inv_scale.data_ptr<float>();
       const float* found = found_inf.data_ptr<float>();
       if (has_momentum) {
-        launch<kModel ? 4 : 3>(sub, scalars, indices, SgdFunctor<P, G, M, true>{h, nesterov, inv, found});
-      } else {
-        launch<kModel ? 3 : 2>(sub, scalars, indices, SgdFunctor<P, G, M, false>{h, nesterov, inv, found});
+        using Functor = SgdFunctor<P, G, S, M, kRemainder, true>;
+        launch<Functor::kDepth>(sub, scalars, indices, Functor{h, nesterov, inv, found});
+      } else if constexpr (std::is_same_v<S, P>) {
+        using Functor = SgdFunctor<P, G, P, M, kRemainder, false>;
+        launch<Functor::kDepth>(sub, scalars, indices, Functor{h, nesterov, inv, found});
       }
     });
   });

@@ -1,0 +1,403 @@
+"""Remainder masters (``master_weights="remainder"``) and 16-bit optimizer state
+(``FusedAdam(state_dtype=torch.bfloat16)``), each against its reference: the same run with
+plain FP32 masters (bit for bit), and torch arithmetic for the moments.
+
+Ties are planted on purpose: a bfloat16 value of even mantissa is the rounding of 65537 floats,
+so without the tie bit one of them would come back wrong.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit as amp
+from ampinit import _fallback, ops
+from ampinit.optim import FusedAdam, FusedAdamW, FusedSGD
+from conftest import DEVICES
+
+
+def _bits(tensor):
+    return tensor.detach().view(torch.int32) if tensor.dtype == torch.float32 else tensor.detach().view(torch.int16)
+
+
+def _assert_bitwise(a, b, what=""):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(_bits(a), _bits(b)), f"{what}: {int((_bits(a) != _bits(b)).sum())} elements differ"
+
+
+def _with_ties(values: torch.Tensor, every: int = 7) -> torch.Tensor:
+    """``values`` with every ``every``-th element moved onto a bfloat16 tie: alternately the
+    lower tie of an even mantissa (rounds up, remainder -32768) and its upper tie (rounds down,
+    remainder +32768: the one that needs the tie bit)."""
+    bits = values.detach().float().contiguous().view(torch.int32).clone()
+    flat = bits.view(-1)
+    index = torch.arange(0, flat.numel(), every)
+    high = ((flat[index] >> 16) & ~1) | 2  # an even bfloat16 mantissa, not zero
+    upper = (torch.arange(index.numel()) % 2 == 0).to(torch.int32)
+    flat[index] = ((high - 1 + upper) << 16) | 0x8000
+    return bits.view(torch.float32)
+
+
+def _special_values():
+    finite = torch.randn(5000) * torch.logspace(-30, 30, 5000)
+    extremes = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.3895313892515355e38, -3.3895313892515355e38,
+                             torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1e-45, -1e-45,
+                             1.17549435e-38, 1.0, -1.0, 1.00390625, 1.01171875])
+    edges = torch.tensor([0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80008000,
+                          0x3F808000, 0x3F818000], dtype=torch.int64)
+    edges = torch.where(edges >= 2 ** 31, edges - 2 ** 32, edges).to(torch.int32).view(torch.float32)
+    return torch.cat([_with_ties(finite), extremes, edges])
+
+
+# -- split / join -----------------------------------------------------------------------------------
+
+def test_split_rounds_to_nearest_even_and_join_gives_every_float_back():
+    values = _special_values()
+    weight = torch.empty(values.shape, dtype=torch.bfloat16)
+    remainder, ties = ops.new_remainders(weight)
+    ops.split_masters_([weight], [remainder], [ties], [values])
+    _assert_bitwise(weight, values.to(torch.bfloat16), "weight is the round-to-nearest-even")
+    _assert_bitwise(ops.join_masters([weight], [remainder], [ties])[0], values, "joined master")
+    assert int((remainder == -32768).sum()) > 100 and int(ties.ne(0).sum()) > 0  # both ties were planted
+
+
+def test_nan_masters_split_to_nan_weights():
+    values = torch.tensor([float("nan"), 1.0, -float("nan")])
+    weight = torch.empty(3, dtype=torch.bfloat16)
+    remainder, ties = ops.new_remainders(weight)
+    ops.split_masters_([weight], [remainder], [ties], [values])
+    joined = ops.join_masters([weight], [remainder], [ties])[0]
+    assert torch.isnan(weight[0]) and torch.isnan(joined[0]) and torch.isnan(joined[2]) and joined[1] == 1.0
+
+
+# -- the kernels: remainders against FP32 masters, bit for bit --------------------------------------
+
+def _kernels_or_skip(device, use_kernels):
+    if use_kernels and ops.backend(torch.device(device))[0] == "torch":
+        pytest.skip("no compiled kernels for this device")
+
+
+SIZES = [1, 33, 32768 + 45, 70001]
+
+
+def _rows(device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    masters = [_with_ties(torch.randn(n, generator=generator)).to(device) for n in SIZES]
+    grads = [(torch.randn(n, generator=generator) * 64).to(torch.bfloat16).to(device) for n in SIZES]
+    return masters, grads
+
+
+def _run_optimizer(kind, device, use_kernels, remainders, steps, state_dtype=torch.float32, found_at=()):
+    """``steps`` updates of the masters of `_rows`; returns the FP32 masters and bf16 weights
+    after each step."""
+    masters, grads = _rows(device, 0)
+    weights = [m.to(torch.bfloat16) for m in masters]
+    rests = [ops.new_remainders(w) for w in weights]
+    if remainders:
+        ops.split_masters_(weights, [r for r, _ in rests], [t for _, t in rests], masters)
+    params = weights if remainders else masters
+    models = [] if remainders else weights
+    state = [[torch.zeros(n, dtype=state_dtype, device=device) for n in SIZES] for _ in range(2)]
+    counters = [torch.zeros((), device=device) for _ in SIZES]
+    flags = [torch.zeros(1, device=device) for _ in SIZES]
+    history = []
+    call = ops if use_kernels else _fallback
+    for step in range(steps):
+        inv = torch.full((1,), 1 / 64, device=device)
+        found = torch.full((1,), float(step in found_at), device=device)
+        extra = dict(remainders=[r for r, _ in rests], ties=[t for _, t in rests]) if remainders else {}
+        lr = 0.0 if step == 0 else 1e-3  # step 0: join and split only
+        if kind == "adam":
+            call.fused_adam_(params, grads, state[0], state[1], counters, models, lr=lr, beta1=0.9, beta2=0.99,
+                             eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True, bias_correction=True,
+                             inv_scale=inv, found_inf=found, **extra)
+        else:
+            call.fused_sgd_(params, grads, state[0], counters, models, lr=lr, momentum=0.9, dampening=0.0,
+                            weight_decay=1e-4, nesterov=True, inv_scale=inv, found_inf=found,
+                            new_buffer_flags=flags, **extra)
+        joined = ops.join_masters(weights, [r for r, _ in rests], [t for _, t in rests]) if remainders else \
+            [m.clone() for m in masters]
+        history.append((joined, [w.clone() for w in weights]))
+    return history
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_update_of_remainder_masters_equals_fp32_masters_bitwise(kind, use_kernels, device):
+    _kernels_or_skip(device, use_kernels)
+    plain = _run_optimizer(kind, device, use_kernels, False, 6, found_at=(3,))
+    kept = _run_optimizer(kind, device, use_kernels, True, 6, found_at=(3,))
+    for step, ((masters, weights), (joined, kept_weights)) in enumerate(zip(plain, kept)):
+        for i, (a, b) in enumerate(zip(masters, joined)):
+            _assert_bitwise(a, b, f"step {step} master {i}")
+        for i, (a, b) in enumerate(zip(weights, kept_weights)):
+            _assert_bitwise(a, b, f"step {step} weight {i}")
+    assert not torch.equal(plain[-1][0][0], plain[0][0][0])  # it did train
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_remainder_kernels_equal_the_fallback(state_dtype, device):
+    _kernels_or_skip(device, True)
+    """As for plain params, the kernels and torch may differ in the last bit (vectorized
+    arithmetic); in each, the weight is the rounding of that path's master."""
+    kernel = _run_optimizer("adam", device, True, True, 4, state_dtype=state_dtype)
+    fallback = _run_optimizer("adam", device, False, True, 4, state_dtype=state_dtype)
+    for (a_masters, a_weights), (b_masters, b_weights) in zip(kernel, fallback):
+        for a, b, a_weight, b_weight in zip(a_masters, b_masters, a_weights, b_weights):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+            _assert_bitwise(a_weight, a.to(torch.bfloat16))
+            _assert_bitwise(b_weight, b.to(torch.bfloat16))
+
+
+def test_kernels_reject_remainders_they_cannot_join():
+    _kernels_or_skip("cpu", True)
+    weight = torch.zeros(4, 4, dtype=torch.bfloat16).t()  # not contiguous
+    remainder, ties = ops.new_remainders(torch.zeros(16, dtype=torch.bfloat16))
+    flags = (torch.ones(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        torch.ops.ampinit.fused_sgd_([weight], [weight.clone()], [], [torch.zeros(())], [], [remainder.view(4, 4)],
+                                     [ties], 0.1, 0.0, 0.0, 0.0, False, *flags, [], None)
+    with pytest.raises(RuntimeError, match="ceil"):
+        torch.ops.ampinit.fused_sgd_([weight.t()], [weight.t().clone()], [], [torch.zeros(())], [],
+                                     [remainder.view(4, 4)], [torch.zeros(3, dtype=torch.int32)], 0.1, 0.0, 0.0,
+                                     0.0, False, *flags, [], None)
+
+
+# -- bfloat16 moments: torch's arithmetic, each moment rounded once per step ----------------------
+
+def _adamw_with_bf16_moments(param, grads, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's update in float32 with the moments rounded to bfloat16 after each step."""
+    w = param.detach().clone().float()
+    m = torch.zeros_like(w, dtype=torch.bfloat16)
+    v = torch.zeros_like(w, dtype=torch.bfloat16)
+    for step, grad in enumerate(grads, start=1):
+        w = w * (1 - lr * weight_decay)
+        m32 = m.float().lerp(grad, 1 - betas[0])
+        v32 = v.float() * betas[1] + (1 - betas[1]) * grad * grad
+        m, v = m32.to(torch.bfloat16), v32.to(torch.bfloat16)
+        denom = v32.sqrt() / (1 - betas[1] ** step) ** 0.5 + eps
+        w = w - (lr / (1 - betas[0] ** step)) * m32 / denom
+    return w, m, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_moments_follow_torch_arithmetic(device):
+    generator = torch.Generator().manual_seed(3)
+    param = nn.Parameter(torch.randn(1000, generator=generator).to(device))
+    grads = [torch.randn(1000, generator=generator).to(device) for _ in range(20)]
+    reference, ref_m, ref_v = _adamw_with_bf16_moments(param, grads, 1e-2, (0.9, 0.999), 1e-8, 0.01)
+    opt = FusedAdamW([param], lr=1e-2, state_dtype=torch.bfloat16)
+    for grad in grads:
+        param.grad = grad
+        opt.step()
+    state = opt.state[param]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    torch.testing.assert_close(state["exp_avg"], ref_m, rtol=1e-2, atol=1e-6)  # one bf16 ulp
+    torch.testing.assert_close(state["exp_avg_sq"], ref_v, rtol=1e-2, atol=1e-8)
+    torch.testing.assert_close(param.detach(), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dtype_is_validated():
+    param = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="state_dtype"):
+        FusedAdam([param], state_dtype=torch.float16)
+    half = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    opt = FusedAdam([half], state_dtype=torch.bfloat16)
+    half.grad = torch.ones(3, dtype=torch.float16)
+    with pytest.raises(TypeError, match="float16"):
+        opt.step()
+    assert torch.equal(half, torch.zeros(3, dtype=torch.float16)) and not opt.state[half]
+
+
+# -- end to end: O5 with remainders trains bit for bit like O5 with FP32 masters ------------------
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(48, 32)
+        self.block = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.head = nn.Linear(32, 48)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, tokens):
+        return self.head(self.block(self.frozen(self.embed(tokens))))
+
+
+def _tiny_setup(master_weights, optimizer="adamw", state_dtype=None, seed=0):
+    torch.manual_seed(seed)
+    model = TinyLM()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(_with_ties(param, every=5))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw":
+        opt = FusedAdamW([{"params": trainable[:3], "lr": 2e-3}, {"params": trainable[3:]}], lr=1e-3,
+                         state_dtype=state_dtype)
+    else:
+        opt = FusedSGD(trainable, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    return amp.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
+
+
+def _tiny_step(model, opt, step, poison=False):
+    data = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 48, (4, 12), generator=data)
+    logits = model(tokens[:, :-1]).float()
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 48), tokens[:, 1:].reshape(-1))
+    if poison:
+        loss = loss * float("inf")
+    opt.zero_grad()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("optimizer,state_dtype,steps", [("adamw", None, 200), ("adamw", torch.bfloat16, 60),
+                                                          ("sgd", None, 60)])
+def test_o5_with_remainders_trains_bit_for_bit_like_fp32_masters(optimizer, state_dtype, steps):
+    plain_model, plain_opt = _tiny_setup(True, optimizer, state_dtype)
+    model, opt = _tiny_setup("remainder", optimizer, state_dtype)
+    remainders = [opt.amp.masters.remainders_of(p) for p in model.parameters()]
+    assert all(r is not None for r in remainders)  # every weight, frozen ones too
+    tie_rounds = 0
+    for step in range(steps):
+        poison = step == 7
+        loss = _tiny_step(model, opt, step, poison)
+        plain_loss = _tiny_step(plain_model, plain_opt, step, poison)
+        if not poison:
+            _assert_bitwise(loss, plain_loss, f"step {step} loss")
+        expected, got = plain_model.state_dict(), model.state_dict()
+        for name, value in expected.items():
+            _assert_bitwise(got[name], value, f"step {step} {name}")
+        for (name, a), b in zip(plain_model.named_parameters(), model.parameters()):
+            _assert_bitwise(b, a, f"step {step} weight {name}")
+        tie_rounds += sum(int((r == -32768).sum()) for r, _ in remainders)
+    assert opt.amp.skipped_steps == plain_opt.amp.skipped_steps == 1
+    assert tie_rounds > 0
+    assert all(p.dtype == torch.bfloat16 for group in opt.param_groups for p in group["params"])
+    amp.end(model)
+    amp.end(plain_model)
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        _assert_bitwise(b, a, "after end()")
+
+
+def test_remainder_masters_keep_no_fp32_copy_of_the_weights():
+    model, opt = _tiny_setup("remainder")
+    _tiny_step(model, opt, 0)
+    params = list(model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert opt.amp.masters.model_of == {}
+    state = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert {t.dtype for t in state} == {torch.float32}
+    assert sum(t.numel() for t in state) == 2 * sum(p.numel() for p in params if p.requires_grad)
+
+
+def test_model_load_state_dict_splits_fp32_values_exactly():
+    model, opt = _tiny_setup("remainder")
+    for step in range(3):
+        _tiny_step(model, opt, step)
+    torch.manual_seed(5)
+    source = {k: _with_ties(torch.randn_like(v.float())) for k, v in model.state_dict().items()
+              if v.is_floating_point()}
+    model.load_state_dict(source, strict=False)
+    for name, value in model.state_dict().items():
+        if name in source:
+            _assert_bitwise(value, source[name], name)
+    plain_model, plain_opt = _tiny_setup(True)
+    for step in range(3):
+        _tiny_step(plain_model, plain_opt, step)
+    plain_model.load_state_dict(source, strict=False)
+    for step in range(3, 8):
+        _tiny_step(model, opt, step)
+        _tiny_step(plain_model, plain_opt, step)
+    for name, value in plain_model.state_dict().items():
+        _assert_bitwise(model.state_dict()[name], value, name)
+
+
+def test_a_torch_adamw_checkpoint_continues_exactly_with_remainders():
+    """torch's AdamW trains the FP32 model; its checkpoint continues in O5 with FP32 masters and
+    in O5 with remainders identically (the moments stay FP32 although the params are bf16)."""
+    torch.manual_seed(1)
+    fp32 = TinyLM()
+    trainable = [p for p in fp32.parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW([{"params": trainable[:3], "lr": 2e-3}, {"params": trainable[3:]}], lr=1e-3)
+    for step in range(3):
+        data = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 48, (4, 12), generator=data)
+        loss = nn.functional.cross_entropy(fp32(tokens[:, :-1]).reshape(-1, 48), tokens[:, 1:].reshape(-1))
+        torch_opt.zero_grad()
+        loss.backward()
+        torch_opt.step()
+    checkpoint = {"model": fp32.state_dict(), "optimizer": torch_opt.state_dict()}
+    runs = []
+    for master_weights in (True, "remainder"):
+        model, opt = _tiny_setup(master_weights, seed=9)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        assert all(t.dtype == torch.float32 for s in opt.state.values() for t in s.values())
+        for step in range(3, 9):
+            _tiny_step(model, opt, step)
+        runs.append(model.state_dict())
+    for name, value in runs[0].items():
+        _assert_bitwise(runs[1][name], value, name)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_optimizer_state_dict_loads_into_torch_adamw(state_dtype):
+    model, opt = _tiny_setup("remainder", state_dtype=state_dtype)
+    for step in range(4):
+        _tiny_step(model, opt, step)
+    fp32 = TinyLM()
+    fp32.load_state_dict(model.state_dict())
+    trainable = [p for p in fp32.parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW([{"params": trainable[:3], "lr": 2e-3}, {"params": trainable[3:]}], lr=1e-3)
+    saved = opt.state_dict()
+    torch_opt.load_state_dict(saved)
+    for index, state in enumerate(torch_opt.state[p] for p in trainable):
+        ours = saved["state"][index]
+        assert state["exp_avg"].dtype == torch.float32  # upcast by torch
+        assert torch.equal(state["exp_avg"], ours["exp_avg"].float())
+        assert torch.equal(state["exp_avg_sq"], ours["exp_avg_sq"].float())
+        assert float(state["step"]) == 4.0
+    data = torch.Generator().manual_seed(50)
+    tokens = torch.randint(0, 48, (4, 12), generator=data)
+    loss = nn.functional.cross_entropy(fp32(tokens[:, :-1]).reshape(-1, 48), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    torch_opt.step()  # it trains on
+    assert all(torch.isfinite(p).all() for p in trainable)
+
+
+# -- bad input: clear errors, nothing changed ---------------------------------------------------------
+
+def test_remainders_need_a_fused_optimizer_and_change_nothing():
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="fused optimizers"):
+        amp.initialize(model, opt, opt_level="O5", master_weights="remainder", verbosity=0)
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, before[name])
+    assert type(opt) is torch.optim.AdamW
+
+
+def test_remainders_need_a_bfloat16_model():
+    model = TinyLM()
+    with pytest.raises(ValueError, match="bfloat16"):
+        amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2", master_weights="remainder",
+                       verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_writes_to_the_weights_are_kept_with_the_remainder():
+    model, opt = _tiny_setup("remainder")
+    _tiny_step(model, opt, 0)
+    with torch.no_grad():
+        model.head.weight.data.clamp_(-0.01, 0.01)
+    fp32 = model.state_dict()["head.weight"]
+    assert torch.equal(fp32.to(torch.bfloat16), model.head.weight.detach())  # still the master's rounding
+    assert float(fp32.abs().max()) <= 0.01 + 2 ** -14  # the clamp (0.01 in bf16) within half a bf16 ulp
+    _tiny_step(model, opt, 1)
+    assert torch.isfinite(model.head.weight).all()
