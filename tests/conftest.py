@@ -34,8 +34,15 @@ def make_setup(opt_level, device="cpu", seed=0, optimizer="adam", **kwargs):
     torch.manual_seed(seed)
     model = SmallNet().to(device)
     params = model.parameters()
-    opt = torch.optim.Adam(params, lr=1e-2, eps=1e-4) if optimizer == "adam" else \
-        torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    from ampinit.optim import FusedAdamW, FusedSGD
+    optimizers = {
+        "adam": lambda: torch.optim.Adam(params, lr=1e-2, eps=1e-4),
+        "sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        "fused_adamw": lambda: FusedAdamW(params, lr=1e-2, eps=1e-4),
+        "fused_adamw_bf16": lambda: FusedAdamW(params, lr=1e-2, eps=1e-4, state_dtype=torch.bfloat16),
+        "fused_sgd": lambda: FusedSGD(params, lr=0.05, momentum=0.9, nesterov=True),
+    }
+    opt = optimizers[optimizer]()
     kwargs.setdefault("verbosity", 0)
     model, opt = amp.initialize(model, opt, opt_level=opt_level, **kwargs)
     return model, opt

@@ -17,6 +17,10 @@ CASES.update({
     "O2-bf16-dynamic": ("O2", {"cast_model_type": "torch.bfloat16"}),
     "O5-dynamic": ("O5", {"loss_scale": "dynamic"}),
     "O3-sgd": ("O3", {"optimizer": "sgd"}),
+    "O5-remainder": ("O5", {"optimizer": "fused_adamw", "master_weights": "remainder"}),
+    "O5-remainder-bf16-moments": ("O5", {"optimizer": "fused_adamw_bf16", "master_weights": "remainder"}),
+    "O5-remainder-sgd": ("O5", {"optimizer": "fused_sgd", "master_weights": "remainder", "loss_scale": "dynamic"}),
+    "O5-bf16-moments": ("O5", {"optimizer": "fused_adamw_bf16"}),
 })
 
 

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampinit as amp
+from ampinit.optim import FusedAdam
 
 WORLD = 2
 POISON_STEP, POISON_RANK, STEPS = 4, 1, 10
@@ -77,8 +78,12 @@ def seeds_worker(rank, port, level, out_dir):
     try:
         torch.manual_seed(rank)  # different initial weights per rank
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
-        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        if level == "O5-remainder":  # masters as bf16 weights + remainders: those must agree too
+            opt = FusedAdam(model.parameters(), lr=1e-2, eps=1e-4, adam_w_mode=False)
+            model, opt = amp.initialize(model, opt, opt_level="O5", master_weights="remainder", verbosity=0)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
         ddp = nn.parallel.DistributedDataParallel(model)
         for step in range(STEPS):
             x, y = _shard(step, rank)
@@ -87,7 +92,8 @@ def seeds_worker(rank, port, level, out_dir):
                 scaled.backward()
             opt.step()
         torch.save({"params": [p.detach() for p in model.parameters()],
-                    "masters": [p.detach() for p in amp.master_params(opt)]}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "masters": [p.detach() for p in amp.master_params(opt)],
+                    "fp32": list(model.state_dict().values())}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -98,18 +104,18 @@ def _shard(step, rank):
     return torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
 
 
-@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("level", ["O2", "O5", "O5-remainder"])
 def test_ddp_ranks_seeded_differently_end_identical_and_train_like_one_process(level, tmp_path):
     mp.spawn(seeds_worker, args=(free_port(), level, str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for key in ("params", "masters"):
+    for key in ("params", "masters", "fp32"):
         for a, b in zip(results[0][key], results[1][key]):
             assert torch.equal(a, b), key
     # one process, rank 0's weights, both shards' data: DDP averages the ranks' gradients
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
-    model, opt = amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4), opt_level=level,
-                                verbosity=0)
+    model, opt = amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4),
+                                opt_level=level.split("-")[0], verbosity=0)
     for step in range(STEPS):
         opt.zero_grad()
         losses = [((model(x).float() - y) ** 2).mean() for x, y in (_shard(step, r) for r in range(WORLD))]
@@ -117,7 +123,7 @@ def test_ddp_ranks_seeded_differently_end_identical_and_train_like_one_process(l
             scaled.backward()
         opt.step()
     for a, b in zip(results[0]["masters"], amp.master_params(opt)):
-        torch.testing.assert_close(a, b.detach(), rtol=2e-2, atol=5e-3)
+        torch.testing.assert_close(a.float(), b.detach(), rtol=2e-2, atol=5e-3)
 
 
 def fsdp_worker(rank, port, case, out_dir):
