@@ -282,20 +282,38 @@ inline void split_master(float master, uint16_t& weight, int16_t& remainder, boo
   remainder = static_cast<int16_t>(tie ? -32768 : rest);
 }
 
+// The join and split below run as branch-free loops the compiler vectorizes; the tie words are
+// touched in a second, scalar pass only for the rare elements whose remainder is -32768.
 template <typename P, bool Remainder>
 inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int64_t count, FloatVec& lo,
                        FloatVec& hi) {
   if constexpr (!Remainder) {
     load_n(param + i, count, lo, hi);
   } else {
-    alignas(64) float buffer[kStep] = {};
-    for (int64_t k = 0; k < count; ++k) {
-      const int16_t rest = r.remainder[i + k];
-      const bool tie = rest == -32768 && tie_bit(r.ties, r.base + i + k);
-      buffer[k] = join_master(param[i + k].x, rest, tie);
+    alignas(64) uint32_t bits[kStep] = {};
+    const uint16_t* weight = reinterpret_cast<const uint16_t*>(param + i);
+    const int16_t* rest = r.remainder + i;
+    int any_tie = 0;
+    if (count == kStep) {
+      for (int64_t k = 0; k < kStep; ++k) {
+        bits[k] = (static_cast<uint32_t>(weight[k]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rest[k]));
+        any_tie |= rest[k] == -32768;
+      }
+    } else {
+      for (int64_t k = 0; k < count; ++k) {
+        bits[k] = (static_cast<uint32_t>(weight[k]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rest[k]));
+        any_tie |= rest[k] == -32768;
+      }
     }
-    lo = FloatVec::loadu(buffer);
-    hi = FloatVec::loadu(buffer + FloatVec::size());
+    if (any_tie) {
+      for (int64_t k = 0; k < count; ++k) {
+        if (rest[k] == -32768 && tie_bit(r.ties, r.base + i + k)) bits[k] += 0x10000u;
+      }
+    }
+    alignas(64) float values[kStep];
+    std::memcpy(values, bits, sizeof values);
+    lo = FloatVec::loadu(values);
+    hi = FloatVec::loadu(values + FloatVec::size());
   }
 }
 
@@ -305,15 +323,38 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
   if constexpr (!Remainder) {
     store_n(param + i, count, lo, hi);
   } else {
-    alignas(64) float buffer[kStep];
-    lo.store(buffer);
-    hi.store(buffer + FloatVec::size());
-    for (int64_t k = 0; k < count; ++k) {
-      int16_t rest;
-      bool tie;
-      split_master(buffer[k], param[i + k].x, rest, tie);
-      r.remainder[i + k] = rest;
-      if (rest == -32768) set_tie_bit(r.ties, r.base + i + k, tie);
+    alignas(64) float values[kStep];
+    lo.store(values);
+    hi.store(values + FloatVec::size());
+    alignas(64) uint32_t bits[kStep];
+    std::memcpy(bits, values, sizeof bits);
+    uint16_t* weight = reinterpret_cast<uint16_t*>(param + i);
+    int16_t* rest = r.remainder + i;
+    alignas(64) uint16_t new_weight[kStep];
+    alignas(64) int16_t new_rest[kStep];
+    int any_tie = 0;
+    for (int64_t k = 0; k < kStep; ++k) {  // split_master, without branches, over the padded buffer
+      const uint32_t u = bits[k];
+      const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      const uint32_t rem = u - (rounded << 16);  // in [-32768, 32768] as int32
+      new_weight[k] = static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+      // +32768 (the upper tie) wraps to -32768 in int16: the tie bit says which
+      new_rest[k] = static_cast<int16_t>(static_cast<uint16_t>(nan ? 0u : rem));
+      any_tie |= static_cast<int>(!nan & ((u & 0xffffu) == 0x8000u));
+    }
+    if (count == kStep) {  // a constant size: inlined vector moves, no call
+      std::memcpy(weight, new_weight, sizeof new_weight);
+      std::memcpy(rest, new_rest, sizeof new_rest);
+    } else {
+      std::memcpy(weight, new_weight, count * sizeof(uint16_t));
+      std::memcpy(rest, new_rest, count * sizeof(int16_t));
+    }
+    if (any_tie) {
+      for (int64_t k = 0; k < count; ++k) {
+        if (rest[k] == -32768) set_tie_bit(r.ties, r.base + i + k, (bits[k] & 0xffffu) == 0x8000u &&
+                                                                         ((bits[k] >> 16) & 1u) == 0u);
+      }
     }
   }
 }
