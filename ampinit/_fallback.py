@@ -265,30 +265,68 @@ def _tie_bits(ties: torch.Tensor, numel: int) -> torch.Tensor:
     return ((ties.to(torch.int64)[index >> 5] >> (index & 31)) & 1).bool()
 
 
+# int64 temporaries cost ~40 bytes per element: large tensors go through in slices of this many
+# elements (a multiple of 32, so each slice owns whole tie words).
+_SLICE = 1 << 20
+
+
+def _slices(numel: int):
+    return ((start, min(start + _SLICE, numel)) for start in range(0, numel, _SLICE))
+
+
 def join_master(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     """The FP32 master of a bfloat16 ``weight`` (contiguous) and its remainders, a new tensor."""
-    high = weight.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
-    rest = remainder.reshape(-1).to(torch.int64)
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    flat_out, flat_weight, flat_rest = out.view(-1), weight.reshape(-1), remainder.reshape(-1)
+    for start, stop in _slices(weight.numel()):
+        flat_out[start:stop] = _join_slice(flat_weight[start:stop], flat_rest[start:stop],
+                                           ties[start // 32: (stop + 31) // 32])
+    return out
+
+
+def _join_slice(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    high = weight.view(torch.int16).to(torch.int64) & 0xFFFF
+    rest = remainder.to(torch.int64)
     tie = (rest == -32768) & _tie_bits(ties, weight.numel())
     bits = ((high << 16) + rest + tie.to(torch.int64) * 0x10000) & 0xFFFFFFFF
+    # A weight written from outside since the last split may no longer be the rounding of the
+    # sum (zeroed: the remainder would carry it across zero, into NaN): its master is the weight.
+    bits = torch.where(_rounded_bits(bits) == high, bits, high << 16)
     bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
-    return bits.view(torch.float32).reshape(weight.shape)
+    return bits.view(torch.float32)
+
+
+def _rounded_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 rounding (nearest even; c10's NaN for NaN) of float bits held in int64."""
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return torch.where(nan, torch.full_like(bits, 0x7FC0), (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
 
 def split_master_(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> None:
     """``weight`` = ``master`` rounded to nearest even (bfloat16), ``remainder``/``ties`` the rest."""
     value = master.detach().float().reshape(-1).contiguous()
+    direct = weight.is_contiguous() and remainder.is_contiguous() and ties.is_contiguous()
+    weights = weight.view(-1) if direct else torch.empty_like(value, dtype=torch.bfloat16)
+    rests = remainder.view(-1) if direct else torch.empty_like(value, dtype=torch.int16)
+    words = ties if direct else torch.empty_like(ties)
+    for start, stop in _slices(value.numel()):
+        _split_slice(value[start:stop], weights[start:stop], rests[start:stop], words[start // 32: (stop + 31) // 32])
+    if not direct:
+        weight.copy_(weights.reshape(weight.shape))
+        remainder.copy_(rests.reshape(remainder.shape))
+        ties.copy_(words)
+
+
+def _split_slice(value: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor) -> None:
     bits = value.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rest = bits - (rounded << 16)
+    rounded = _rounded_bits(bits)
     nan = torch.isnan(value)
-    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
-    rest = torch.where(nan, torch.zeros_like(rest), rest)
+    rest = torch.where(nan, torch.zeros_like(bits), bits - (rounded << 16))
     tie = rest == 32768
     rest = torch.where(tie, torch.full_like(rest, -32768), rest)
     high = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
-    weight.copy_(high.view(torch.bfloat16).reshape(weight.shape))
-    remainder.copy_(rest.to(torch.int16).reshape(remainder.shape))
+    weight.copy_(high.view(torch.bfloat16))
+    remainder.copy_(rest.to(torch.int16))
     padded = torch.zeros(ties.numel() * 32, dtype=torch.int64, device=ties.device)
     padded[:tie.numel()] = tie.to(torch.int64)
     words = (padded.reshape(-1, 32) << torch.arange(32, device=ties.device)).sum(dim=1)
@@ -319,7 +357,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
     keep = _keep(found_inf)
     for i, param in enumerate(params):
         step = steps[i] + keep.to(steps[i].dtype)
-        grad = grads[i].float() * inv_scale
+        grad = grads[i].float() * inv_scale.reshape(())  # a 1-element flag must not make a 0-dim param 1-dim
         old = w = _param_value(param, remainders, ties, i)
         if decoupled_weight_decay:
             w = w * _f32(1 - lr * weight_decay)
@@ -352,7 +390,7 @@ def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: floa
     lr, momentum, dampening, weight_decay = _hyper_scalars(hyper, (lr, momentum, dampening, weight_decay))
     keep = _keep(found_inf)
     for i, param in enumerate(params):
-        grad = grads[i].float() * inv_scale
+        grad = grads[i].float() * inv_scale.reshape(())
         old = w = _param_value(param, remainders, ties, i)
         grad = grad + w * _f32(weight_decay)
         if momentum_buffers:

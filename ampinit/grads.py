@@ -43,6 +43,7 @@ written is decided on the device and read at ``step`` together with the overflow
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -51,6 +52,8 @@ import torch
 from . import ops
 from .distributed import local
 from .masters import MasterWeights
+
+logger = logging.getLogger("ampinit")
 
 __all__ = ["GradientFlow", "BackwardWatch"]
 
@@ -109,6 +112,7 @@ class GradientFlow:
         # there a model gradient that is zero was zeroed (see _carry_data_zeroing).
         self._first_since_step = True
         self.deferred: Dict[torch.Tensor, torch.Tensor] = {}   # master -> scaled model gradient
+        self._warned_bf16_sum = False
         # CPU: master gradients that were cleared, to be reused if nothing else holds them
         # (glibc hands large blocks back to the OS, and faulting 4 bytes per parameter in
         # again costs more than the unscale itself).  CUDA's caching allocator needs none.
@@ -333,6 +337,17 @@ class GradientFlow:
         if master.grad is not None:
             master.grad.zero_()
 
+    def _note_bf16_sum(self, model: torch.Tensor) -> None:
+        """Once per optimizer: a second loss added its gradient to a remainder master's, which is
+        the model's bfloat16 gradient (FP32 masters would sum in FP32)."""
+        if self._warned_bf16_sum or self.masters is None or self.masters.remainders_of(model) is None:
+            return
+        self._warned_bf16_sum = True
+        logger.warning("ampinit: several scale_loss blocks before one step() add their gradients in bfloat16 "
+                       "with master_weights='remainder' (the masters' gradients are the model's), where FP32 "
+                       "masters add them in FP32; pass delay_unscale=True to all but the last scale_loss of the "
+                       "step to add them in the backward instead, as FP32 masters would bit for bit")
+
     def _forget_overflow(self) -> None:
         self.found_inf.zero_()
         self.unscaled_since_step = False
@@ -370,6 +385,7 @@ class GradientFlow:
                     add_in.append(local(grad))
                     add_out.append(local(stashed))
                     model.grad = stashed
+                    self._note_bf16_sum(model)
                 continue
             if grad is None:  # not reached by this loss
                 self._park(model, master)

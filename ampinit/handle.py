@@ -171,8 +171,12 @@ class AmpHandle:
         for casting in self._castings:
             casting.apply()
         if config.master_remainders:
-            kept = self.masters.keep_as_remainders()
-            self.log(2, f"ampinit: {kept} bfloat16 parameters keep their masters as remainders", logging.DEBUG)
+            left = self.masters.keep_as_remainders()
+            if left:
+                names = ", ".join(self.param_name(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
+                self.log(1, f"ampinit: master_weights='remainder': {len(left)} bfloat16 parameter(s) are not "
+                            f"contiguous (channels_last?) and keep 4-byte FP32 masters instead: {names}",
+                         logging.WARNING)
         for index, opt in enumerate(self.optimizers):
             flow = GradientFlow(opt, self.masters, self.device, bool(getattr(opt, "_ampinit_fused", False)),
                                 self.param_name)

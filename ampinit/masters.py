@@ -79,6 +79,7 @@ class MasterWeights:
         self._loaded = False
         # model parameter -> (int16 remainders, int32 tie words): masters kept as remainders
         self._remainders: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._remainder_mode = False
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -91,12 +92,18 @@ class MasterWeights:
         self._value[tensor] = value
         return value
 
-    def keep_as_remainders(self) -> int:
+    def keep_as_remainders(self) -> List[torch.Tensor]:
         """After the cast: every cast bfloat16 parameter that is contiguous keeps its master as
-        remainders from now on, and its FP32 storage is let go.  Returns how many do."""
-        kept = 0
+        remainders from now on, and its FP32 storage is let go; so do bfloat16 parameters that
+        an optimizer takes later (``take``).  Returns the cast bfloat16 parameters that cannot
+        (not contiguous: channels_last) and keep FP32 masters."""
+        self._remainder_mode = True
+        left = []
         for tensor in list(self._value):
-            if not (isinstance(tensor, nn.Parameter) and tensor.dtype == torch.bfloat16 and tensor.is_contiguous()):
+            if not (isinstance(tensor, nn.Parameter) and tensor.dtype == torch.bfloat16):
+                continue
+            if not tensor.is_contiguous():
+                left.append(tensor)
                 continue
             value = self._value.pop(tensor)
             self._model_of.pop(value, None)
@@ -104,8 +111,7 @@ class MasterWeights:
             with torch.no_grad():
                 ops.split_masters_([tensor], [remainder], [ties], [value])
             self._remainders[tensor] = (remainder, ties)
-            kept += 1
-        return kept
+        return left
 
     # -- lookups -------------------------------------------------------------------------------
     def master_of(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -144,6 +150,13 @@ class MasterWeights:
             self._updated.add(param)
             return param
         master = self._value.get(param)
+        if master is None and self._remainder_mode and param.dtype == torch.bfloat16 and param.is_contiguous():
+            # bfloat16 already (cast by the user): its master is the weight, with zero remainders
+            self._cast_dtype[param] = param.dtype
+            self._added.add(param)
+            self._remainders[param] = ops.new_remainders(param)
+            self._updated.add(param)
+            return param
         if master is None:
             self._cast_dtype[param] = param.dtype
             self._added.add(param)
@@ -161,7 +174,8 @@ class MasterWeights:
         self._updated.discard(param)
         if param in self._added:
             self._added.discard(param)
-            master = self._value.pop(param)
+            self._remainders.pop(param, None)
+            master = self._value.pop(param, None)
             self._model_of.pop(master, None)
             self._marks.pop(param, None)
             self._cast_dtype.pop(param, None)

@@ -279,15 +279,16 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
             f"{where}: patch_torch_functions=True (O1-style autocast) with cast_model_type="
             f"{config.cast_model_type} would both autocast and cast the model; use O1/O4 for "
             f"autocast or O2/O3/O5 for a cast model, not both")
+    if config.master_remainders and config.cast_model_type != torch.bfloat16:
+        cast = f"casts it to {config.cast_model_type}" if config.cast_model_type is not None else "does not cast it"
+        raise ValueError(
+            f"{where}: master_weights='remainder' keeps each FP32 master as its bfloat16 weight plus a 16-bit "
+            f"remainder, so the model must be cast to bfloat16 (O5, or cast_model_type=torch.bfloat16); this "
+            f"configuration {cast}.  Use O5, or master_weights=True")
     if config.master_weights and config.patch_torch_functions:
         raise ValueError(
             f"{where}: master_weights=True with patch_torch_functions=True (O1-style autocast): autocast keeps the "
             "model's FP32 weights, so there is nothing to keep masters of; drop master_weights or use O2/O5")
-    if config.master_remainders and config.cast_model_type != torch.bfloat16:
-        raise ValueError(
-            f"{where}: master_weights='remainder' keeps each FP32 master as its bfloat16 weight plus a 16-bit "
-            f"remainder, so the model must be cast to bfloat16 (O5, or cast_model_type=torch.bfloat16); this "
-            f"level casts it to {config.cast_model_type}.  Use master_weights=True here")
     if config.keep_batchnorm_fp32 is not None and not config.casts_model:
         raise ValueError(
             f"{where}: keep_batchnorm_fp32={config.keep_batchnorm_fp32} only applies when the "

@@ -53,8 +53,11 @@ def _special_values():
 
 # -- split / join -----------------------------------------------------------------------------------
 
-def test_split_rounds_to_nearest_even_and_join_gives_every_float_back():
+@pytest.mark.parametrize("size", ["special", "sliced"])
+def test_split_rounds_to_nearest_even_and_join_gives_every_float_back(size):
     values = _special_values()
+    if size == "sliced":  # over the 2**20-element slices of the torch implementation, ties at the seam
+        values = torch.cat([_with_ties(torch.randn(2 ** 20 - 3)), values[:40], _with_ties(torch.randn(70), 1)])
     weight = torch.empty(values.shape, dtype=torch.bfloat16)
     remainder, ties = ops.new_remainders(weight)
     ops.split_masters_([weight], [remainder], [ties], [values])
@@ -451,3 +454,92 @@ def test_bf16_moments_end_within_2_percent_of_fp32_moments_on_the_char_transform
     uniform = math.log(len(chars))
     assert fp32_moments < 0.75 * uniform  # it learned something
     assert abs(bf16_moments - fp32_moments) <= 0.02 * fp32_moments, (fp32_moments, bf16_moments)
+
+
+# -- what the hostile review found ------------------------------------------------------------------
+
+@pytest.mark.parametrize("write", ["zero", "clamp_min_0", "prune", "fill_inf"])
+def test_weights_zeroed_or_pruned_from_outside_never_join_into_nan(write):
+    model, opt = _tiny_setup("remainder")
+    _tiny_step(model, opt, 0)
+    weight = model.head.weight
+    with torch.no_grad():
+        if write == "zero":
+            weight.zero_()
+        elif write == "clamp_min_0":
+            weight.data.clamp_(min=0)
+        elif write == "prune":
+            weight.mul_((torch.arange(weight.numel()) % 3 != 0).reshape(weight.shape).to(weight.dtype))
+        else:
+            weight.data[0, :4] = float("inf")
+    written = weight.detach().float()
+    joined = model.state_dict()["head.weight"]
+    assert not torch.isnan(joined).any()
+    finite = torch.isfinite(written)
+    assert torch.equal(joined[~finite], written[~finite])
+    assert torch.equal(joined[finite].to(torch.bfloat16), weight.detach()[finite])  # still its rounding
+    if write != "fill_inf":
+        _tiny_step(model, opt, 1)
+        assert torch.isfinite(model.head.weight).all() and opt.amp.skipped_steps == 0
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
+def test_fused_optimizers_take_0_dim_params(use_kernels):
+    _kernels_or_skip("cpu", use_kernels)
+    results = []
+    for remainders in (False, True):
+        scale = torch.tensor(1.5)
+        weight = scale.to(torch.bfloat16)
+        rest, ties = ops.new_remainders(weight)
+        ops.split_masters_([weight], [rest], [ties], [scale])
+        param = weight if remainders else scale
+        extra = dict(remainders=[rest], ties=[ties]) if remainders else {}
+        state = [torch.zeros((), dtype=torch.float32) for _ in range(2)]
+        (ops if use_kernels else _fallback).fused_adam_(
+            [param], [torch.tensor(0.25, dtype=param.dtype)], state[:1], state[1:], [torch.zeros(())], [],
+            lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+            bias_correction=True, inv_scale=torch.ones(1), found_inf=torch.zeros(1), **extra)
+        results.append(ops.join_masters([weight], [rest], [ties])[0] if remainders else scale)
+    assert results[0].shape == () and torch.equal(results[0], results[1]) and float(results[0]) < 1.5
+
+
+def test_a_model_cast_to_bf16_by_its_user_gets_remainders_not_fp32_copies():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    model, opt = amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5",
+                                master_weights="remainder", verbosity=0)
+    assert opt.amp.masters.model_of == {}
+    assert all(opt.amp.masters.remainders_of(p) is not None for p in model.parameters())
+    assert all(p.dtype == torch.bfloat16 for g in opt.param_groups for p in g["params"])
+
+
+def test_parameters_that_cannot_keep_remainders_are_named_in_a_warning(caplog):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+    model = model.to(memory_format=torch.channels_last)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5", master_weights="remainder")
+    assert "not contiguous" in caplog.text and "0.weight" in caplog.text
+
+
+def test_several_losses_per_step_warn_that_they_add_in_bf16(caplog):
+    model, opt = _tiny_setup("remainder")
+    tokens = torch.randint(0, 48, (4, 12), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for _ in range(3):
+            for half in (tokens[:2], tokens[2:]):
+                loss = nn.functional.cross_entropy(model(half[:, :-1]).float().reshape(-1, 48), half[:, 1:].reshape(-1))
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    assert caplog.text.count("add their gradients in bfloat16") == 1
+
+
+@pytest.mark.parametrize("level,kwargs", [("O4", {}), ("O1", {}), ("O5", {"cast_model_type": False}),
+                                          ("O2", {}), ("O3", {})])
+def test_remainders_on_a_level_without_a_bf16_model_say_so(level, kwargs):
+    model = TinyLM()
+    with pytest.raises(ValueError, match="master_weights='remainder' keeps each FP32 master"):
+        amp.initialize(model, FusedAdamW(model.parameters()), opt_level=level, master_weights="remainder",
+                       verbosity=0, **kwargs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -261,9 +261,23 @@ inline void set_tie_bit(uint32_t* ties, int64_t j, bool value) {
   }
 }
 
+// The bfloat16 rounding (nearest even; c10's NaN for NaN) of a float's bits.
+inline uint32_t rounded_bits(uint32_t bits) {
+  const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// bits(weight) << 16, plus the remainder where weight is still the rounding of the sum: a weight
+// written from outside since the last split (zeroed, clamped, pruned) may not be, and a kept
+// remainder could carry it across zero into NaN.  The master is then the weight itself.
+inline uint32_t joined_bits(uint16_t weight, int16_t remainder, bool tie) {
+  const uint32_t high = static_cast<uint32_t>(weight) << 16;
+  const uint32_t bits = high + static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
+  return rounded_bits(bits) == weight ? bits : high;
+}
+
 inline float join_master(uint16_t weight, int16_t remainder, bool tie) {
-  return bits_float((static_cast<uint32_t>(weight) << 16) + static_cast<uint32_t>(static_cast<int32_t>(remainder)) +
-                    (tie ? 0x10000u : 0u));
+  return bits_float(joined_bits(weight, remainder, tie));
 }
 
 // weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
@@ -296,18 +310,18 @@ inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int6
     int any_tie = 0;
     if (count == kStep) {
       for (int64_t k = 0; k < kStep; ++k) {
-        bits[k] = (static_cast<uint32_t>(weight[k]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rest[k]));
+        bits[k] = joined_bits(weight[k], rest[k], false);
         any_tie |= rest[k] == -32768;
       }
     } else {
       for (int64_t k = 0; k < count; ++k) {
-        bits[k] = (static_cast<uint32_t>(weight[k]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rest[k]));
+        bits[k] = joined_bits(weight[k], rest[k], false);
         any_tie |= rest[k] == -32768;
       }
     }
     if (any_tie) {
       for (int64_t k = 0; k < count; ++k) {
-        if (rest[k] == -32768 && tie_bit(r.ties, r.base + i + k)) bits[k] += 0x10000u;
+        if (rest[k] == -32768) bits[k] = joined_bits(weight[k], rest[k], tie_bit(r.ties, r.base + i + k));
       }
     }
     alignas(64) float values[kStep];

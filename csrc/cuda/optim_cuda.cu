@@ -123,9 +123,19 @@ __device__ __forceinline__ void set_tie_bit(uint32_t* ties, int64_t j, bool valu
   }
 }
 
+// The bfloat16 rounding (nearest even; c10's NaN for NaN) of a float's bits.
+__device__ __forceinline__ uint32_t rounded_bits(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// A weight written from outside since the last split may no longer be the rounding of weight
+// + remainder (zeroed: the remainder would carry it across zero, into NaN): its master is then
+// the weight itself.
 __device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder, bool tie) {
-  return __uint_as_float((static_cast<uint32_t>(weight) << 16) +
-                         static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u));
+  const uint32_t bits = (static_cast<uint32_t>(weight) << 16) +
+                        static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
+  return __uint_as_float(rounded_bits(bits) == weight ? bits : static_cast<uint32_t>(weight) << 16);
 }
 
 // weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
