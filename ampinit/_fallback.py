@@ -345,10 +345,42 @@ def _store_param(param: torch.Tensor, value: torch.Tensor, remainders, ties, i: 
         _store(param, value, keep)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix_bits(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' lowbias32 hash of uint32 values held in int64 (the kernels' ``mix_bits``)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _store_state(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, stochastic: bool,
+                 step: torch.Tensor, salt: int) -> None:
+    """Store a moment: rounded to nearest even, or (bfloat16 with ``stochastic``) with the
+    kernels' deterministic stochastic rounding: 16 bits of noise from (step, salt, element
+    index) added below the kept bits, then truncated (inf/NaN to nearest)."""
+    if not (stochastic and target.dtype == torch.bfloat16):
+        _store(target, value, keep)
+        return
+    bits = value.detach().float().reshape(-1).contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    index = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+    seed = step.detach().reshape(()).to(torch.int64) & _MASK32
+    key = (seed * 0x9E3779B9 + salt * 0x85EBCA6B) & _MASK32
+    noise = _mix_bits((index & _MASK32) ^ (index >> 32) ^ key) & 0xFFFF
+    finite = (bits & 0x7FFFFFFF) < 0x7F800000
+    rounded = torch.where(finite, ((bits + noise) >> 16) & 0xFFFF, _rounded_bits(bits))
+    rounded = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
+    _store(target, rounded.view(torch.bfloat16).reshape(target.shape), keep)
+
+
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
                 bias_correction: bool, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                hyper: Optional[torch.Tensor] = None, remainders=(), ties=()) -> None:
+                hyper: Optional[torch.Tensor] = None, remainders=(), ties=(),
+                stochastic_state_rounding: bool = False) -> None:
     """Adam/AdamW as torch.optim.Adam computes it, for float32/float16/bfloat16 params with
     state of the param's dtype, float32 or bfloat16; see ``ops.fused_adam_``."""
     if not params:
@@ -373,8 +405,8 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
         denom = v.sqrt() / bias_correction2.sqrt().float() + _f32(eps)
         w = w + (-(lr / bias_correction1)).float() * m / denom
         _store_param(param, w, remainders, ties, i, keep, old)
-        _store(exp_avgs[i], m, keep)
-        _store(exp_avg_sqs[i], v, keep)
+        _store_state(exp_avgs[i], m, keep, stochastic_state_rounding, step, 1)
+        _store_state(exp_avg_sqs[i], v, keep, stochastic_state_rounding, step, 2)
         if model_params:
             _store(model_params[i], w, keep)
         steps[i].copy_(step)

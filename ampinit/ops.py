@@ -273,7 +273,7 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
                 steps: Tensors, model_params: Tensors, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, decoupled_weight_decay: bool, bias_correction: bool,
                 inv_scale: torch.Tensor, found_inf: torch.Tensor, hyper: Optional[torch.Tensor] = None,
-                remainders: Tensors = (), ties: Tensors = ()) -> None:
+                remainders: Tensors = (), ties: Tensors = (), stochastic_state_rounding: bool = False) -> None:
     """One Adam (or AdamW, ``decoupled_weight_decay``) step of ``params`` from
     ``grads * inv_scale``, as ``torch.optim.Adam(fused=True)`` computes it.
 
@@ -292,19 +292,24 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     ``remainders``/``ties`` (remainder masters, see :func:`split_masters_`): empty, or for each
     param (then contiguous bfloat16, with no ``model_params``) its int16 remainders and int32
     tie words: the kernel updates the FP32 master they make with the param and splits it again.
+
+    ``stochastic_state_rounding``: bfloat16 moments are rounded stochastically (unbiased) instead
+    of to nearest, with noise that is a hash of (step, moment, element index): deterministic, the
+    same on every backend.  To nearest, ``beta2 * v`` rounds back to ``v`` for ``beta2 > 1 - 2**-9``
+    and ``exp_avg_sq`` would never decay.
     """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
                                       list(model_params), list(remainders), list(ties), float(lr), float(beta1),
                                       float(beta2), float(eps),
                                       float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
-                                      inv_scale, found_inf, hyper)
+                                      inv_scale, found_inf, hyper, bool(stochastic_state_rounding))
     else:
         _fallback.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=weight_decay,
                               decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction,
                               inv_scale=inv_scale, found_inf=found_inf, hyper=hyper, remainders=list(remainders),
-                              ties=list(ties))
+                              ties=list(ties), stochastic_state_rounding=stochastic_state_rounding)
 
 
 def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Tensors, steps: Tensors,

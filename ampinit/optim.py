@@ -287,9 +287,12 @@ class FusedAdam(_FusedOptimizer):
         amsgrad: not supported (as in apex); raises ``ValueError``.
         state_dtype: ``torch.bfloat16`` keeps ``exp_avg``/``exp_avg_sq`` in bfloat16 (4 bytes per
             parameter instead of 8): each step reads them into float32, computes as usual and
-            rounds them to nearest even once.  ``None`` (default): the master's dtype (float32
-            under ``initialize`` at O2/O5, the param's otherwise).  ``state_dict()`` saves them
-            in bfloat16; ``torch.optim.AdamW.load_state_dict`` upcasts them to its params' dtype.
+            rounds them once, stochastically (unbiased; the noise is a hash of the step, the
+            moment and the element's index, so a run and its resume round the same way).  To
+            nearest, ``0.999 * exp_avg_sq`` would round back to itself and never decay.
+            ``None`` (default): the master's dtype (float32 under ``initialize`` at O2/O5, the
+            param's otherwise).  ``state_dict()`` saves them in bfloat16;
+            ``torch.optim.AdamW.load_state_dict`` upcasts them to its params' dtype.
         capturable: keep ``lr``, ``betas``, ``eps`` and ``weight_decay`` as float64 device
             tensors in the param group (made at the first step), which the kernels read on the
             device: a step captured in a CUDA graph sees later in-place changes (LR
@@ -399,7 +402,8 @@ class FusedAdam(_FusedOptimizer):
         ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, models, lr=lr, beta1=beta1, beta2=beta2,
                         eps=eps, weight_decay=weight_decay, decoupled_weight_decay=self.adam_w_mode,
                         bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
-                        hyper=hyper, remainders=remainders, ties=ties)
+                        hyper=hyper, remainders=remainders, ties=ties,
+                        stochastic_state_rounding=self.state_dtype == torch.bfloat16)
 
 
 class FusedAdamW(FusedAdam):

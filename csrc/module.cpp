@@ -34,7 +34,7 @@ TORCH_LIBRARY(ampinit, m) {
   m.def("fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] steps, Tensor(e!)[] model_params, Tensor(f!)[] remainders, Tensor(g!)[] ties, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, bool decoupled_weight_decay, bool bias_correction, Tensor inv_scale, "
-        "Tensor found_inf, Tensor? hyper=None) -> ()");
+        "Tensor found_inf, Tensor? hyper=None, bool stochastic_state_rounding=False) -> ()");
   m.def("fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] steps, "
         "Tensor(d!)[] model_params, Tensor(f!)[] remainders, Tensor(g!)[] ties, float lr, float momentum, float dampening, float weight_decay, "
         "bool nesterov, Tensor inv_scale, Tensor found_inf, Tensor(e!)[] new_buffer_flags, "

@@ -20,6 +20,10 @@ struct AdamParams {
   float inv_scale;
   float step_size;         // lr / (1 - beta1^step), or lr without bias correction
   float bias_correction2_sqrt;
+  // Nonzero: bfloat16 moments are rounded stochastically, with noise drawn from (key, element
+  // index) (see kernels.h, store_state); key = the step number mixed with the moment.
+  bool stochastic_state;
+  uint32_t seed;  // the step number after this step
 };
 
 struct SgdParams {
@@ -66,8 +70,9 @@ struct KernelTable {
   // Sum of squares, each square and the sum in double.
   double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);
   // One Adam/AdamW update of params and state; `model` (may be null) gets the new params.
+  // `base`: the index of the range's first element in its tensor (stochastic rounding's noise).
   void (*adam)(const AdamParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
-               const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n);
+               const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n, int64_t base);
   // One SGD update; `momentum_buffer` is null without momentum.
   void (*sgd)(const SgdParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
               const void* grad, void* momentum_buffer, void* model, int64_t n);

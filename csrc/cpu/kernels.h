@@ -373,12 +373,61 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
   }
 }
 
+// -- stochastic rounding of bfloat16 moments ---------------------------------------------------
+//
+// Rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 = 0.999: 0.999 * v is within
+// half an ulp (2^-9 relative) of v, so it rounds back to v.  Adding 16 bits of noise below the
+// kept bits and truncating rounds up with probability (dropped bits) / 2^16: unbiased, so the
+// moments decay as in FP32 on average.  The noise is a hash of (step, moment, element index):
+// the same run rounds the same way, on every backend and after a resume.
+
+// Chris Wellons' lowbias32 integer hash.
+inline uint32_t mix_bits(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one moment (salt 1: exp_avg, 2: exp_avg_sq) at one step.
+inline uint32_t rounding_key(uint32_t seed, uint32_t salt) { return seed * 0x9e3779b9u + salt * 0x85ebca6bu; }
+
+// float bits -> bfloat16 bits: stochastically for finite values, to nearest even for inf/NaN.
+inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
+  const uint32_t noise = mix_bits(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(index >> 32) ^ key) & 0xffffu;
+  const bool finite = (bits & 0x7fffffffu) < 0x7f800000u;
+  return static_cast<uint16_t>(finite ? (bits + noise) >> 16 : rounded_bits(bits));
+}
+
+// Stores optimizer state: rounded to nearest even, or (bfloat16, `key` given) stochastically.
+template <typename S>
+inline void store_state(S* dst, int64_t i, int64_t count, const FloatVec& lo, const FloatVec& hi, bool stochastic,
+                        uint32_t key, int64_t base) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    if (stochastic) {
+      alignas(64) float values[kStep];
+      lo.store(values);
+      hi.store(values + FloatVec::size());
+      alignas(64) uint32_t bits[kStep];
+      std::memcpy(bits, values, sizeof bits);
+      alignas(64) uint16_t out[kStep];
+      for (int64_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], key, base + i + k);
+      std::memcpy(reinterpret_cast<uint16_t*>(dst + i), out, count * sizeof(uint16_t));
+      return;
+    }
+  }
+  store_n(dst + i, count, lo, hi);
+}
+
 // Adam/AdamW of params of type P with state of type S (P, float32 or bfloat16), with
 // torch.optim's fused kernels' order of operations; every value is computed in float and
 // rounded once.  With Remainder (P = bfloat16), the param and its remainder are the FP32 master.
 template <typename P, typename Grad, typename S, typename Model, bool Remainder>
 void adam(const AdamParams& p, P* param, const MasterRemainder& r, const Grad* grad, S* exp_avg, S* exp_avg_sq,
-          Model* model, int64_t n) {
+          Model* model, int64_t n, int64_t base) {
+  const uint32_t key_m = rounding_key(p.seed, 1), key_v = rounding_key(p.seed, 2);
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), decay(p.decay);
   const FloatVec beta2(p.beta2), one_minus_beta2(p.one_minus_beta2);
   const FloatVec eps(p.eps), neg_step_size(-p.step_size), bc2_sqrt(p.bias_correction2_sqrt);
@@ -400,8 +449,8 @@ void adam(const AdamParams& p, P* param, const MasterRemainder& r, const Grad* g
       w[h] = w[h] + neg_step_size * m[h] / denom;
     }
     store_param<P, Remainder>(param, r, i, count, w[0], w[1]);
-    store_n(exp_avg + i, count, m[0], m[1]);
-    store_n(exp_avg_sq + i, count, v[0], v[1]);
+    store_state(exp_avg, i, count, m[0], m[1], p.stochastic_state, key_m, base);
+    store_state(exp_avg_sq, i, count, v[0], v[1], p.stochastic_state, key_v, base);
     if constexpr (!std::is_same_v<Model, void>) store_n(model + i, count, w[0], w[1]);
   });
 }
@@ -539,7 +588,7 @@ inline const KernelTable& table(const char* name) {
         });
       },
       [](const AdamParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
-         const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n) {
+         const void* grad, void* exp_avg, void* exp_avg_sq, void* model, int64_t n, int64_t base) {
         with_optimizer_types(types.param, types.grad, types.state, types.model, r.remainder != nullptr,
                              [&](auto* param_tag, auto grad_tag, auto* state_tag, auto* model_tag, auto remainder) {
           using P = std::remove_pointer_t<decltype(param_tag)>;
@@ -548,7 +597,7 @@ inline const KernelTable& table(const char* name) {
           using M = std::remove_pointer_t<decltype(model_tag)>;
           adam<P, G, S, M, decltype(remainder)::value>(p, static_cast<P*>(param), r, static_cast<const G*>(grad),
                                                        static_cast<S*>(exp_avg), static_cast<S*>(exp_avg_sq),
-                                                       static_cast<M*>(model), n);
+                                                       static_cast<M*>(model), n, base);
         });
       },
       [](const SgdParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r, const void* grad,

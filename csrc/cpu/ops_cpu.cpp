@@ -280,7 +280,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList steps, at::TensorList models, at::TensorList remainders, at::TensorList ties,
                  double lr_arg, double beta1_arg, double beta2_arg,
                  double eps_arg, double weight_decay_arg, bool decoupled_weight_decay, bool bias_correction,
-                 const at::Tensor& inv_scale, const at::Tensor& found_inf, const std::optional<at::Tensor>& hyper) {
+                 const at::Tensor& inv_scale, const at::Tensor& found_inf, const std::optional<at::Tensor>& hyper,
+                 bool stochastic_state_rounding) {
   check_flag("fused_adam_", "inv_scale", inv_scale, at::kCPU);
   check_flag("fused_adam_", "found_inf", found_inf, at::kCPU);
   check_hyper("fused_adam_", hyper, 5, "[lr, beta1, beta2, eps, weight_decay]", at::kCPU);
@@ -307,7 +308,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                      static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
                      static_cast<float>(1.0 - lr * weight_decay), decoupled_weight_decay,
                      inv_scale.data_ptr<float>()[0], static_cast<float>(lr / bc1),
-                     static_cast<float>(std::sqrt(bc2))};
+                     static_cast<float>(std::sqrt(bc2)), stochastic_state_rounding, static_cast<uint32_t>(step)};
   }
   const auto& k = kernels();
   const auto& p = rows.list(0);
@@ -321,7 +322,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                                type_or_undefined(model, t)};
     k.adam(per_tensor[t], types, at_offset(p[t], c.begin), remainder_at(remainders, ties, t, c.begin),
            at_offset(g[t], c.begin), at_offset(m[t], c.begin), at_offset(v[t], c.begin),
-           address_or_null(model, t, c.begin), c.size);
+           address_or_null(model, t, c.begin), c.size, c.begin);
     return false;
   });
   rows.finish();
