@@ -235,18 +235,6 @@ inline FloatVec lerp(const FloatVec& self, const FloatVec& end, float weight) {
 // stored as -32768.  It is read and written only where the remainder is -32768, so the words
 // are touched rarely, with atomics (chunks may share a word).
 
-inline uint32_t float_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
-inline float bits_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
 inline bool tie_bit(const uint32_t* ties, int64_t j) {
   return (__atomic_load_n(ties + (j >> 5), __ATOMIC_RELAXED) >> (j & 31)) & 1u;
 }
@@ -274,26 +262,6 @@ inline uint32_t joined_bits(uint16_t weight, int16_t remainder, bool tie) {
   const uint32_t high = static_cast<uint32_t>(weight) << 16;
   const uint32_t bits = high + static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
   return rounded_bits(bits) == weight ? bits : high;
-}
-
-inline float join_master(uint16_t weight, int16_t remainder, bool tie) {
-  return bits_float(joined_bits(weight, remainder, tie));
-}
-
-// weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
-inline void split_master(float master, uint16_t& weight, int16_t& remainder, bool& tie) {
-  const uint32_t bits = float_bits(master);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    weight = 0x7fc0;
-    remainder = 0;
-    tie = false;
-    return;
-  }
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const int32_t rest = static_cast<int32_t>(bits - (rounded << 16));  // in [-32768, 32768]
-  weight = static_cast<uint16_t>(rounded);
-  tie = rest == 32768;
-  remainder = static_cast<int16_t>(tie ? -32768 : rest);
 }
 
 // The join and split below run as branch-free loops the compiler vectorizes; the tie words are
@@ -347,12 +315,14 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
     alignas(64) uint16_t new_weight[kStep];
     alignas(64) int16_t new_rest[kStep];
     int any_tie = 0;
-    for (int64_t k = 0; k < kStep; ++k) {  // split_master, without branches, over the padded buffer
+    // weight = the rounding (NaN: c10's bfloat16 NaN, remainder 0), remainder = the rest, in
+    // [-32768, 32768]; branch-free, over the whole padded buffer
+    for (int64_t k = 0; k < kStep; ++k) {
       const uint32_t u = bits[k];
       const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      const uint32_t rounded = rounded_bits(u);
       const uint32_t rem = u - (rounded << 16);  // in [-32768, 32768] as int32
-      new_weight[k] = static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+      new_weight[k] = static_cast<uint16_t>(rounded);
       // +32768 (the upper tie) wraps to -32768 in int16: the tie bit says which
       new_rest[k] = static_cast<int16_t>(static_cast<uint16_t>(nan ? 0u : rem));
       any_tie |= static_cast<int>(!nan & ((u & 0xffffu) == 0x8000u));

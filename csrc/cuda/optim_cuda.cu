@@ -154,6 +154,38 @@ __device__ __forceinline__ void split_master(float master, uint16_t& weight, int
   remainder = static_cast<int16_t>(tie ? -32768 : rest);
 }
 
+// -- stochastic rounding of bfloat16 moments (cpu/kernels.h) ----------------------------------
+//
+// Rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 = 0.999: 0.999 * v is within
+// half an ulp of v and rounds back to v.  16 bits of noise added below the kept bits, then
+// truncation, round up with probability (dropped bits) / 2^16: unbiased.  The noise is a hash of
+// (step, moment, element index in the tensor), as on the CPU and in the fallback, so every
+// backend, chunking and resume rounds the same element the same way.
+
+// Chris Wellons' lowbias32 integer hash.
+__device__ __forceinline__ uint32_t mix_bits(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one moment (salt 1: exp_avg, 2: exp_avg_sq) at one step.
+__device__ __forceinline__ uint32_t rounding_key(uint32_t seed, uint32_t salt) {
+  return seed * 0x9e3779b9u + salt * 0x85ebca6bu;
+}
+
+// float bits -> bfloat16 bits: stochastically for finite values, to nearest even for inf/NaN
+// (noise could carry the largest finite values into inf, or turn inf into NaN).
+__device__ __forceinline__ uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
+  const uint32_t noise =
+      mix_bits(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(index >> 32) ^ key) & 0xffffu;
+  const bool finite = (bits & 0x7fffffffu) < 0x7f800000u;
+  return static_cast<uint16_t>(finite ? (bits + noise) >> 16 : rounded_bits(bits));
+}
+
 // Raw elements of an array, in vectors where aligned (the weights' and remainders' bits).
 template <typename T>
 __device__ __forceinline__ void load_bits(T (&out)[kILP], const ArrayRef<T>& a, int64_t i, int count) {
@@ -184,6 +216,27 @@ __device__ __forceinline__ void store_bits(const ArrayRef<T>& a, int64_t i, cons
       a.p[i + k] = in[k];
     }
   }
+}
+
+// Stores optimizer state: rounded to nearest even, or (bfloat16 state, `stochastic`) with the
+// noise of `key` and each element's index in the tensor (`first` + i + k).  Only the rounding
+// is per element; the store is still a vector where aligned.
+template <typename S>
+__device__ __forceinline__ void store_state(const ArrayRef<S>& a, int64_t i, const float (&in)[kILP], int count,
+                                            bool stochastic, uint32_t key, int64_t first) {
+  if constexpr (std::is_same_v<S, at::BFloat16>) {
+    if (stochastic) {
+      at::BFloat16 out[kILP];
+#pragma unroll
+      for (int k = 0; k < kILP; ++k) {
+        if (k >= count) break;
+        out[k] = at::BFloat16(stochastic_bits(__float_as_uint(in[k]), key, first + i + k), at::BFloat16::from_bits());
+      }
+      store_bits(a, i, out, count);
+      return;
+    }
+  }
+  store(a, i, in, count);
 }
 
 // The params of one chunk as the update sees them, in float32: the P values, or with Remainder
@@ -251,7 +304,8 @@ struct ChunkParams<at::BFloat16, true> {
 
 // Lists: param, grad, exp_avg, exp_avg_sq[, model][, remainder, ties] (a model copy and
 // remainders never come together); meta.scalars[0]: the step counters (not yet advanced for
-// this step).
+// this step).  With stochastic_state (and bfloat16 state) the moments are rounded
+// stochastically (store_state).
 template <typename P, typename G, typename S, typename M, bool Remainder>
 struct AdamFunctor {
   static constexpr bool kModel = !std::is_same_v<M, NoModel>;
@@ -260,6 +314,7 @@ struct AdamFunctor {
   bool decoupled_weight_decay, bias_correction;
   const float* inv_scale;
   const float* found_inf;
+  bool stochastic_state;
 
   template <typename Meta>
   __device__ void operator()(const Meta& meta, int t, int64_t chunk) const {
@@ -277,6 +332,10 @@ struct AdamFunctor {
     const float decay = static_cast<float>(1.0 - lr * weight_decay);
     const bool coupled = wd != 0.0f && !decoupled_weight_decay, decoupled = wd != 0.0f && decoupled_weight_decay;
     const float inv = *inv_scale;
+    // The seed is the counter as finish_step leaves it (a float increment, as on the CPU), not
+    // `step` above: the two differ past 2^24 steps.
+    const uint32_t seed = static_cast<uint32_t>(*meta.scalars[0][t] + 1.0f);
+    const uint32_t key_m = rounding_key(seed, 1), key_v = rounding_key(seed, 2);
 
     const ChunkRange range(meta.sizes[t], chunk);
     P* param_ptr = static_cast<P*>(meta.addresses[0][t]) + range.start;
@@ -313,8 +372,8 @@ struct AdamFunctor {
             w[u][k] = w[u][k] + neg_step_size * m[u][k] / denom;
           }
           param.store(i, w[u], count);
-          store(exp_avg, i, m[u], count);
-          store(exp_avg_sq, i, v[u], count);
+          store_state(exp_avg, i, m[u], count, stochastic_state, key_m, range.start);
+          store_state(exp_avg_sq, i, v[u], count, stochastic_state, key_v, range.start);
           if constexpr (kModel) store(model, i, w[u], count);
         });
   }
@@ -452,7 +511,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList steps, at::TensorList models, at::TensorList remainders, at::TensorList ties,
                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
                  bool bias_correction, const at::Tensor& inv_scale, const at::Tensor& found_inf,
-                 const std::optional<at::Tensor>& hyper) {
+                 const std::optional<at::Tensor>& hyper, bool stochastic_state_rounding) {
   const at::Device device = cuda_device_of("fused_adam_", {params, grads}, {&found_inf, &inv_scale});
   check_flag("fused_adam_", "inv_scale", inv_scale, device);
   check_flag("fused_adam_", "found_inf", found_inf, device);
@@ -479,7 +538,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                          !remainders.empty(), [&](auto p, auto g, auto s, auto m, auto remainder) {
       using Functor = AdamFunctor<decltype(p), decltype(g), decltype(s), decltype(m), decltype(remainder)::value>;
       const Functor functor{h, decoupled_weight_decay, bias_correction, inv_scale.data_ptr<float>(),
-                            found_inf.data_ptr<float>()};
+                            found_inf.data_ptr<float>(), stochastic_state_rounding};
       launch<Functor::kDepth>(sub, scalars, indices, functor);
     });
   });
