@@ -365,10 +365,15 @@ inline uint32_t mix_bits(uint32_t x) {
 inline uint32_t rounding_key(uint32_t seed, uint32_t salt) { return seed * 0x9e3779b9u + salt * 0x85ebca6bu; }
 
 // float bits -> bfloat16 bits: stochastically for finite values, to nearest even for inf/NaN.
-inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
-  const uint32_t noise = mix_bits(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(index >> 32) ^ key) & 0xffffu;
+// `key` already holds the high half of the element's index, `low` is its low half.
+inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, uint32_t low) {
+  const uint32_t noise = mix_bits(low ^ key) & 0xffffu;
   const bool finite = (bits & 0x7fffffffu) < 0x7f800000u;
   return static_cast<uint16_t>(finite ? (bits + noise) >> 16 : rounded_bits(bits));
+}
+
+inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
+  return stochastic_bits(bits, key ^ static_cast<uint32_t>(index >> 32), static_cast<uint32_t>(index));
 }
 
 // Stores optimizer state: rounded to nearest even, or (bfloat16, `key` given) stochastically.
@@ -383,8 +388,19 @@ inline void store_state(S* dst, int64_t i, int64_t count, const FloatVec& lo, co
       alignas(64) uint32_t bits[kStep];
       std::memcpy(bits, values, sizeof bits);
       alignas(64) uint16_t out[kStep];
-      for (int64_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], key, base + i + k);
-      std::memcpy(reinterpret_cast<uint16_t*>(dst + i), out, count * sizeof(uint16_t));
+      const int64_t first = base + i;
+      const uint32_t low = static_cast<uint32_t>(first);
+      if (low <= UINT32_MAX - kStep) {  // the index's high half is the same for the whole step: 32-bit lanes
+        const uint32_t high_key = key ^ static_cast<uint32_t>(first >> 32);
+        for (uint32_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], high_key, low + k);
+      } else {
+        for (int64_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], key, first + k);
+      }
+      if (count == kStep) {  // a constant size: inlined vector moves, no call
+        std::memcpy(reinterpret_cast<uint16_t*>(dst + i), out, sizeof out);
+      } else {
+        std::memcpy(reinterpret_cast<uint16_t*>(dst + i), out, count * sizeof(uint16_t));
+      }
       return;
     }
   }
