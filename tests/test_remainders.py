@@ -585,3 +585,24 @@ def test_remainders_on_a_level_without_a_bf16_model_say_so(level, kwargs):
         amp.initialize(model, FusedAdamW(model.parameters()), opt_level=level, master_weights="remainder",
                        verbosity=0, **kwargs)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
+def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kernels, monkeypatch):
+    """beta1 = beta2 = 0 makes the float32 moments exactly g and g*g on every backend, so their
+    stored bfloat16 bits must be exactly the numpy model's, at every step (seed) and in the
+    vector steps and the tail alike."""
+    _kernels_or_skip("cpu", use_kernels)
+    if not use_kernels:
+        monkeypatch.setattr(ops, "_use_kernels", lambda *args: False)
+    param = nn.Parameter(torch.zeros(70001))
+    opt = FusedAdamW([param], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, state_dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(11)
+    for step in range(1, 4):  # the step is the seed
+        grad = torch.randn(70001, generator=generator) * 3
+        param.grad = grad
+        opt.step()
+        state = opt.state[param]
+        assert torch.equal(state["exp_avg"].view(torch.int16), _stochastic_bf16(grad, step, 1).view(torch.int16))
+        assert torch.equal(state["exp_avg_sq"].view(torch.int16),
+                           _stochastic_bf16(grad * grad, step, 2).view(torch.int16))

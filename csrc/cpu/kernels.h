@@ -19,6 +19,10 @@
 
 #include "kernel_table.h"
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace ampinit::cpu {
 inline namespace CPU_CAPABILITY {
 
@@ -264,6 +268,62 @@ inline uint32_t joined_bits(uint16_t weight, int16_t remainder, bool tie) {
   return rounded_bits(bits) == weight ? bits : high;
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2 versions of one full step (kStep = 16 elements) of the join and the split, in registers:
+// the same bits as joined_bits / rounded_bits below, without staging through memory.
+inline __m256i rounded_bits8(__m256i bits) {
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// Returns whether a remainder is -32768 (the tie bit decides: the caller redoes those).
+inline bool join16(const uint16_t* weight, const int16_t* rest, FloatVec& lo, FloatVec& hi) {
+  const __m256i w16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight));
+  const __m256i r16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest));
+  const __m256i ties = _mm256_cmpeq_epi16(r16, _mm256_set1_epi16(-32768));
+  FloatVec* out[2] = {&lo, &hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m128i w8 = h == 0 ? _mm256_castsi256_si128(w16) : _mm256_extracti128_si256(w16, 1);
+    const __m128i r8 = h == 0 ? _mm256_castsi256_si128(r16) : _mm256_extracti128_si256(r16, 1);
+    const __m256i w = _mm256_cvtepu16_epi32(w8);
+    const __m256i high = _mm256_slli_epi32(w, 16);
+    const __m256i bits = _mm256_add_epi32(high, _mm256_cvtepi16_epi32(r8));
+    const __m256i still_rounds = _mm256_cmpeq_epi32(rounded_bits8(bits), w);
+    *out[h] = FloatVec(_mm256_castsi256_ps(_mm256_blendv_epi8(high, bits, still_rounds)));
+  }
+  return !_mm256_testz_si256(ties, ties);
+}
+
+// Writes 16 weights and remainders; returns whether one is a tie (low half 0x8000).
+inline bool split16(const FloatVec& lo, const FloatVec& hi, uint16_t* weight, int16_t* rest) {
+  __m256i rounded[2], rems[2];
+  __m256i any_tie = _mm256_setzero_si256();
+  const FloatVec* in[2] = {&lo, &hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i u = _mm256_castps_si256(*in[h]);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    rounded[h] = rounded_bits8(u);
+    // the remainder's low 16 bits (+32768, the upper tie, wraps to -32768); 0 for NaN
+    rems[h] = _mm256_andnot_si256(nan, _mm256_and_si256(_mm256_sub_epi32(u, _mm256_slli_epi32(rounded[h], 16)),
+                                                          _mm256_set1_epi32(0xffff)));
+    const __m256i tie = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)),
+                                           _mm256_set1_epi32(0x8000));
+    any_tie = _mm256_or_si256(any_tie, _mm256_andnot_si256(nan, tie));
+  }
+  // packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> reorder the 64-bit quarters
+  const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded[0], rounded[1]), 0xd8);
+  const __m256i r16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(rems[0], rems[1]), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(weight), w16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(rest), r16);
+  return !_mm256_testz_si256(any_tie, any_tie);
+}
+#endif
+
 // The join and split below run as branch-free loops the compiler vectorizes; the tie words are
 // touched in a second, scalar pass only for the rare elements whose remainder is -32768.
 template <typename P, bool Remainder>
@@ -272,9 +332,12 @@ inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int6
   if constexpr (!Remainder) {
     load_n(param + i, count, lo, hi);
   } else {
-    alignas(64) uint32_t bits[kStep] = {};
     const uint16_t* weight = reinterpret_cast<const uint16_t*>(param + i);
     const int16_t* rest = r.remainder + i;
+#if defined(CPU_CAPABILITY_AVX2)
+    if (count == kStep && !join16(weight, rest, lo, hi)) return;
+#endif
+    alignas(64) uint32_t bits[kStep] = {};
     int any_tie = 0;
     if (count == kStep) {
       for (int64_t k = 0; k < kStep; ++k) {
@@ -305,13 +368,16 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
   if constexpr (!Remainder) {
     store_n(param + i, count, lo, hi);
   } else {
+    uint16_t* weight = reinterpret_cast<uint16_t*>(param + i);
+    int16_t* rest = r.remainder + i;
+#if defined(CPU_CAPABILITY_AVX2)
+    if (count == kStep && !split16(lo, hi, weight, rest)) return;
+#endif
     alignas(64) float values[kStep];
     lo.store(values);
     hi.store(values + FloatVec::size());
     alignas(64) uint32_t bits[kStep];
     std::memcpy(bits, values, sizeof bits);
-    uint16_t* weight = reinterpret_cast<uint16_t*>(param + i);
-    int16_t* rest = r.remainder + i;
     alignas(64) uint16_t new_weight[kStep];
     alignas(64) int16_t new_rest[kStep];
     int any_tie = 0;
@@ -376,12 +442,48 @@ inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
   return stochastic_bits(bits, key ^ static_cast<uint32_t>(index >> 32), static_cast<uint32_t>(index));
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+inline __m256i mix_bits8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// stochastic_bits of 16 values whose indices' low halves are low, low + 1, ..., in registers.
+inline void stochastic16(const FloatVec& lo, const FloatVec& hi, uint32_t key, uint32_t low, uint16_t* dst) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i out[2];
+  const FloatVec* in[2] = {&lo, &hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(low + 8u * h)), lanes);
+    const __m256i noise = _mm256_and_si256(mix_bits8(_mm256_xor_si256(index, _mm256_set1_epi32(static_cast<int32_t>(key)))),
+                                           _mm256_set1_epi32(0xffff));
+    const __m256i u = _mm256_castps_si256(*in[h]);
+    const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000),
+                                              _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)));
+    out[h] = _mm256_blendv_epi8(rounded_bits8(u), _mm256_srli_epi32(_mm256_add_epi32(u, noise), 16), finite);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permute4x64_epi64(_mm256_packus_epi32(out[0], out[1]), 0xd8));
+}
+#endif
+
 // Stores optimizer state: rounded to nearest even, or (bfloat16, `key` given) stochastically.
 template <typename S>
 inline void store_state(S* dst, int64_t i, int64_t count, const FloatVec& lo, const FloatVec& hi, bool stochastic,
                         uint32_t key, int64_t base) {
   if constexpr (std::is_same_v<S, c10::BFloat16>) {
     if (stochastic) {
+#if defined(CPU_CAPABILITY_AVX2)
+      const int64_t start = base + i;
+      if (count == kStep && static_cast<uint32_t>(start) <= UINT32_MAX - kStep) {
+        stochastic16(lo, hi, key ^ static_cast<uint32_t>(start >> 32), static_cast<uint32_t>(start),
+                     reinterpret_cast<uint16_t*>(dst + i));
+        return;
+      }
+#endif
       alignas(64) float values[kStep];
       lo.store(values);
       hi.store(values + FloatVec::size());
