@@ -17,6 +17,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../master_bits.h"
 #include "kernel_table.h"
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -230,14 +231,18 @@ inline FloatVec lerp(const FloatVec& self, const FloatVec& end, float weight) {
   return at::vec::fmadd(FloatVec(weight - 1.0f), end - self, end);
 }
 
-// -- remainder masters: an FP32 master kept as its bfloat16 rounding plus an int16 remainder ----
+// The bits of a step's floats.
+inline void float_bits(const FloatVec& lo, const FloatVec& hi, uint32_t (&bits)[kStep]) {
+  alignas(64) float values[kStep];
+  lo.store(values);
+  hi.store(values + FloatVec::size());
+  std::memcpy(bits, values, sizeof bits);
+}
+
+// -- remainder masters (the format: master_bits.h) ----------------------------------------------
 //
-// bits(master) = (bits(weight) << 16) + remainder (+ 0x10000 when the tie bit is set), mod 2^32,
-// where weight is the round-to-nearest-even of the master.  A bfloat16 value of even mantissa is
-// the rounding of 65537 floats (both ties included), one more than 16 bits tell apart: the tie
-// bit (bit j % 32 of word j / 32, j the element's index) marks the upper tie, remainder +32768,
-// stored as -32768.  It is read and written only where the remainder is -32768, so the words
-// are touched rarely, with atomics (chunks may share a word).
+// The tie words are read and written only where a remainder is -32768, so rarely, with atomics
+// (chunks may share a word).
 
 inline bool tie_bit(const uint32_t* ties, int64_t j) {
   return (__atomic_load_n(ties + (j >> 5), __ATOMIC_RELAXED) >> (j & 31)) & 1u;
@@ -253,24 +258,9 @@ inline void set_tie_bit(uint32_t* ties, int64_t j, bool value) {
   }
 }
 
-// The bfloat16 rounding (nearest even; c10's NaN for NaN) of a float's bits.
-inline uint32_t rounded_bits(uint32_t bits) {
-  const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  return nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
-
-// bits(weight) << 16, plus the remainder where weight is still the rounding of the sum: a weight
-// written from outside since the last split (zeroed, clamped, pruned) may not be, and a kept
-// remainder could carry it across zero into NaN.  The master is then the weight itself.
-inline uint32_t joined_bits(uint16_t weight, int16_t remainder, bool tie) {
-  const uint32_t high = static_cast<uint32_t>(weight) << 16;
-  const uint32_t bits = high + static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
-  return rounded_bits(bits) == weight ? bits : high;
-}
-
 #if defined(CPU_CAPABILITY_AVX2)
 // AVX2 versions of one full step (kStep = 16 elements) of the join and the split, in registers:
-// the same bits as joined_bits / rounded_bits below, without staging through memory.
+// the same bits as bf16_bits::joined / rounded (master_bits.h), without staging through memory.
 inline __m256i rounded_bits8(__m256i bits) {
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
                                          _mm256_set1_epi32(0x7f800000));
@@ -341,18 +331,18 @@ inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int6
     int any_tie = 0;
     if (count == kStep) {
       for (int64_t k = 0; k < kStep; ++k) {
-        bits[k] = joined_bits(weight[k], rest[k], false);
+        bits[k] = bf16_bits::joined(weight[k], rest[k], false);
         any_tie |= rest[k] == -32768;
       }
     } else {
       for (int64_t k = 0; k < count; ++k) {
-        bits[k] = joined_bits(weight[k], rest[k], false);
+        bits[k] = bf16_bits::joined(weight[k], rest[k], false);
         any_tie |= rest[k] == -32768;
       }
     }
     if (any_tie) {
       for (int64_t k = 0; k < count; ++k) {
-        if (rest[k] == -32768) bits[k] = joined_bits(weight[k], rest[k], tie_bit(r.ties, r.base + i + k));
+        if (rest[k] == -32768) bits[k] = bf16_bits::joined(weight[k], rest[k], tie_bit(r.ties, r.base + i + k));
       }
     }
     alignas(64) float values[kStep];
@@ -373,11 +363,8 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
 #if defined(CPU_CAPABILITY_AVX2)
     if (count == kStep && !split16(lo, hi, weight, rest)) return;
 #endif
-    alignas(64) float values[kStep];
-    lo.store(values);
-    hi.store(values + FloatVec::size());
     alignas(64) uint32_t bits[kStep];
-    std::memcpy(bits, values, sizeof bits);
+    float_bits(lo, hi, bits);
     alignas(64) uint16_t new_weight[kStep];
     alignas(64) int16_t new_rest[kStep];
     int any_tie = 0;
@@ -386,7 +373,7 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
     for (int64_t k = 0; k < kStep; ++k) {
       const uint32_t u = bits[k];
       const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-      const uint32_t rounded = rounded_bits(u);
+      const uint32_t rounded = bf16_bits::rounded(u);
       const uint32_t rem = u - (rounded << 16);  // in [-32768, 32768] as int32
       new_weight[k] = static_cast<uint16_t>(rounded);
       // +32768 (the upper tie) wraps to -32768 in int16: the tie bit says which
@@ -409,38 +396,7 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
   }
 }
 
-// -- stochastic rounding of bfloat16 moments ---------------------------------------------------
-//
-// Rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 = 0.999: 0.999 * v is within
-// half an ulp (2^-9 relative) of v, so it rounds back to v.  Adding 16 bits of noise below the
-// kept bits and truncating rounds up with probability (dropped bits) / 2^16: unbiased, so the
-// moments decay as in FP32 on average.  The noise is a hash of (step, moment, element index):
-// the same run rounds the same way, on every backend and after a resume.
-
-// Chris Wellons' lowbias32 integer hash.
-inline uint32_t mix_bits(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// The key of one moment (salt 1: exp_avg, 2: exp_avg_sq) at one step.
-inline uint32_t rounding_key(uint32_t seed, uint32_t salt) { return seed * 0x9e3779b9u + salt * 0x85ebca6bu; }
-
-// float bits -> bfloat16 bits: stochastically for finite values, to nearest even for inf/NaN.
-// `key` already holds the high half of the element's index, `low` is its low half.
-inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, uint32_t low) {
-  const uint32_t noise = mix_bits(low ^ key) & 0xffffu;
-  const bool finite = (bits & 0x7fffffffu) < 0x7f800000u;
-  return static_cast<uint16_t>(finite ? (bits + noise) >> 16 : rounded_bits(bits));
-}
-
-inline uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
-  return stochastic_bits(bits, key ^ static_cast<uint32_t>(index >> 32), static_cast<uint32_t>(index));
-}
+// -- stochastic rounding of bfloat16 moments (why and how: master_bits.h) -----------------------
 
 #if defined(CPU_CAPABILITY_AVX2)
 inline __m256i mix_bits8(__m256i x) {
@@ -451,7 +407,7 @@ inline __m256i mix_bits8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// stochastic_bits of 16 values whose indices' low halves are low, low + 1, ..., in registers.
+// bf16_bits::stochastic of 16 values whose indices' low halves are low, low + 1, ..., in registers.
 inline void stochastic16(const FloatVec& lo, const FloatVec& hi, uint32_t key, uint32_t low, uint16_t* dst) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i out[2];
@@ -484,19 +440,16 @@ inline void store_state(S* dst, int64_t i, int64_t count, const FloatVec& lo, co
         return;
       }
 #endif
-      alignas(64) float values[kStep];
-      lo.store(values);
-      hi.store(values + FloatVec::size());
       alignas(64) uint32_t bits[kStep];
-      std::memcpy(bits, values, sizeof bits);
+      float_bits(lo, hi, bits);
       alignas(64) uint16_t out[kStep];
       const int64_t first = base + i;
       const uint32_t low = static_cast<uint32_t>(first);
       if (low <= UINT32_MAX - kStep) {  // the index's high half is the same for the whole step: 32-bit lanes
         const uint32_t high_key = key ^ static_cast<uint32_t>(first >> 32);
-        for (uint32_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], high_key, low + k);
+        for (uint32_t k = 0; k < kStep; ++k) out[k] = bf16_bits::stochastic(bits[k], high_key, low + k);
       } else {
-        for (int64_t k = 0; k < kStep; ++k) out[k] = stochastic_bits(bits[k], key, first + k);
+        for (int64_t k = 0; k < kStep; ++k) out[k] = bf16_bits::stochastic_at(bits[k], key, first + k);
       }
       if (count == kStep) {  // a constant size: inlined vector moves, no call
         std::memcpy(reinterpret_cast<uint16_t*>(dst + i), out, sizeof out);
@@ -515,7 +468,7 @@ inline void store_state(S* dst, int64_t i, int64_t count, const FloatVec& lo, co
 template <typename P, typename Grad, typename S, typename Model, bool Remainder>
 void adam(const AdamParams& p, P* param, const MasterRemainder& r, const Grad* grad, S* exp_avg, S* exp_avg_sq,
           Model* model, int64_t n, int64_t base) {
-  const uint32_t key_m = rounding_key(p.seed, 1), key_v = rounding_key(p.seed, 2);
+  const uint32_t key_m = bf16_bits::rounding_key(p.seed, 1), key_v = bf16_bits::rounding_key(p.seed, 2);
   const FloatVec inv(p.inv_scale), wd(p.weight_decay), decay(p.decay);
   const FloatVec beta2(p.beta2), one_minus_beta2(p.one_minus_beta2);
   const FloatVec eps(p.eps), neg_step_size(-p.step_size), bc2_sqrt(p.bias_correction2_sqrt);

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../master_bits.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
 
@@ -100,7 +101,7 @@ __device__ __forceinline__ int head_for(const P* param, const S* state) {
   return head_to_align(param);
 }
 
-// -- remainder masters (cpu/kernels.h): a bfloat16 weight, an int16 remainder and a tie bit ----
+// -- remainder masters (the format: master_bits.h): a bfloat16 weight, an int16 remainder, a tie bit
 //
 // bits(master) = (bits(weight) << 16) + remainder (+ 0x10000 when the tie bit is set), mod 2^32.
 // The tie bit of element j is bit j % 32 of word j / 32; it is read and written only where the
@@ -123,67 +124,13 @@ __device__ __forceinline__ void set_tie_bit(uint32_t* ties, int64_t j, bool valu
   }
 }
 
-// The bfloat16 rounding (nearest even; c10's NaN for NaN) of a float's bits.
-__device__ __forceinline__ uint32_t rounded_bits(uint32_t bits) {
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
-
-// A weight written from outside since the last split may no longer be the rounding of weight
-// + remainder (zeroed: the remainder would carry it across zero, into NaN): its master is then
-// the weight itself.
+// join, split and stochastic rounding: master_bits.h, shared with the CPU kernels.
 __device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder, bool tie) {
-  const uint32_t bits = (static_cast<uint32_t>(weight) << 16) +
-                        static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
-  return __uint_as_float(rounded_bits(bits) == weight ? bits : static_cast<uint32_t>(weight) << 16);
+  return __uint_as_float(bf16_bits::joined(weight, remainder, tie));
 }
 
-// weight = round-to-nearest-even(master) (c10's bfloat16 NaN for NaN, whose remainder is 0).
 __device__ __forceinline__ void split_master(float master, uint16_t& weight, int16_t& remainder, bool& tie) {
-  const uint32_t bits = __float_as_uint(master);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    weight = 0x7fc0;
-    remainder = 0;
-    tie = false;
-    return;
-  }
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const int32_t rest = static_cast<int32_t>(bits - (rounded << 16));  // in [-32768, 32768]
-  weight = static_cast<uint16_t>(rounded);
-  tie = rest == 32768;
-  remainder = static_cast<int16_t>(tie ? -32768 : rest);
-}
-
-// -- stochastic rounding of bfloat16 moments (cpu/kernels.h) ----------------------------------
-//
-// Rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 = 0.999: 0.999 * v is within
-// half an ulp of v and rounds back to v.  16 bits of noise added below the kept bits, then
-// truncation, round up with probability (dropped bits) / 2^16: unbiased.  The noise is a hash of
-// (step, moment, element index in the tensor), as on the CPU and in the fallback, so every
-// backend, chunking and resume rounds the same element the same way.
-
-// Chris Wellons' lowbias32 integer hash.
-__device__ __forceinline__ uint32_t mix_bits(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// The key of one moment (salt 1: exp_avg, 2: exp_avg_sq) at one step.
-__device__ __forceinline__ uint32_t rounding_key(uint32_t seed, uint32_t salt) {
-  return seed * 0x9e3779b9u + salt * 0x85ebca6bu;
-}
-
-// float bits -> bfloat16 bits: stochastically for finite values, to nearest even for inf/NaN
-// (noise could carry the largest finite values into inf, or turn inf into NaN).
-__device__ __forceinline__ uint16_t stochastic_bits(uint32_t bits, uint32_t key, int64_t index) {
-  const uint32_t noise =
-      mix_bits(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(index >> 32) ^ key) & 0xffffu;
-  const bool finite = (bits & 0x7fffffffu) < 0x7f800000u;
-  return static_cast<uint16_t>(finite ? (bits + noise) >> 16 : rounded_bits(bits));
+  bf16_bits::split(__float_as_uint(master), weight, remainder, tie);
 }
 
 // Raw elements of an array, in vectors where aligned (the weights' and remainders' bits).
@@ -230,7 +177,7 @@ __device__ __forceinline__ void store_state(const ArrayRef<S>& a, int64_t i, con
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
         if (k >= count) break;
-        out[k] = at::BFloat16(stochastic_bits(__float_as_uint(in[k]), key, first + i + k), at::BFloat16::from_bits());
+        out[k] = at::BFloat16(bf16_bits::stochastic_at(__float_as_uint(in[k]), key, first + i + k), at::BFloat16::from_bits());
       }
       store_bits(a, i, out, count);
       return;
@@ -335,7 +282,7 @@ struct AdamFunctor {
     // The seed is the counter as finish_step leaves it (a float increment, as on the CPU), not
     // `step` above: the two differ past 2^24 steps.
     const uint32_t seed = static_cast<uint32_t>(*meta.scalars[0][t] + 1.0f);
-    const uint32_t key_m = rounding_key(seed, 1), key_v = rounding_key(seed, 2);
+    const uint32_t key_m = bf16_bits::rounding_key(seed, 1), key_v = bf16_bits::rounding_key(seed, 2);
 
     const ChunkRange range(meta.sizes[t], chunk);
     P* param_ptr = static_cast<P*>(meta.addresses[0][t]) + range.start;
