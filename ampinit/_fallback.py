@@ -247,6 +247,14 @@ def _f32(value: Scalar) -> Scalar:
     return value.float() if isinstance(value, torch.Tensor) else value
 
 
+def _add_decay(grad: torch.Tensor, w: torch.Tensor, weight_decay: Scalar) -> torch.Tensor:
+    """``grad + w * weight_decay``, but ``grad`` where the decay is 0 (as the kernels skip it:
+    an inf weight must not make the gradient NaN)."""
+    if not isinstance(weight_decay, torch.Tensor):
+        return grad if weight_decay == 0 else grad + w * _f32(weight_decay)
+    return torch.where(weight_decay != 0, grad + w * _f32(weight_decay), grad)
+
+
 def _keep(found_inf: torch.Tensor) -> torch.Tensor:
     """0-dim bool on the device: this step is applied."""
     return (found_inf == 0).reshape(())
@@ -291,7 +299,8 @@ def _join_slice(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tenso
     bits = ((high << 16) + rest + tie.to(torch.int64) * 0x10000) & 0xFFFFFFFF
     # A weight written from outside since the last split may no longer be the rounding of the
     # sum (zeroed: the remainder would carry it across zero, into NaN): its master is the weight.
-    bits = torch.where(_rounded_bits(bits) == high, bits, high << 16)
+    keep = (_rounded_bits(bits) == high) & ((high & 0x7FFF) < 0x7F80)  # an inf/NaN weight is its own master
+    bits = torch.where(keep, bits, high << 16)
     bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
     return bits.view(torch.float32)
 
@@ -394,7 +403,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
         if decoupled_weight_decay:
             w = w * _f32(1 - lr * weight_decay)
         else:
-            grad = grad + w * _f32(weight_decay)
+            grad = _add_decay(grad, w, weight_decay)
         m = exp_avgs[i].float().lerp(grad, _f32(1 - beta1))
         v = exp_avg_sqs[i].float() * _f32(beta2) + _f32(1 - beta2) * grad * grad
         if bias_correction:
@@ -424,7 +433,7 @@ def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: floa
     for i, param in enumerate(params):
         grad = grads[i].float() * inv_scale.reshape(())
         old = w = _param_value(param, remainders, ties, i)
-        grad = grad + w * _f32(weight_decay)
+        grad = _add_decay(grad, w, weight_decay)
         if momentum_buffers:
             buffer = momentum_buffers[i]
             updated = buffer.float() * _f32(momentum) + _f32(1 - dampening) * grad

@@ -120,6 +120,7 @@ class OptimizerBinding:
         if flow.masters is not None and flow.masters.has_remainders:
             inputs["remainders"] = {model: parts for model in flow.models()
                                     if (parts := flow.masters.remainders_of(model)) is not None}
+            flow.masters.check_remainder_layout(inputs["remainders"])
         if flow.unscaled_since_step:  # else no scale_loss since the last step: plain gradients
             inputs.update(found_inf=flow.found_inf, inv_scale=flow.deferred_inv_scale, scaled_grads=flow.deferred)
         return inputs

@@ -171,12 +171,7 @@ class AmpHandle:
         for casting in self._castings:
             casting.apply()
         if config.master_remainders:
-            left = self.masters.keep_as_remainders()
-            if left:
-                names = ", ".join(self.param_name(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
-                self.log(1, f"ampinit: master_weights='remainder': {len(left)} bfloat16 parameter(s) are not "
-                            f"contiguous (channels_last?) and keep 4-byte FP32 masters instead: {names}",
-                         logging.WARNING)
+            self.masters.keep_as_remainders()
         for index, opt in enumerate(self.optimizers):
             flow = GradientFlow(opt, self.masters, self.device, bool(getattr(opt, "_ampinit_fused", False)),
                                 self.param_name)
@@ -184,6 +179,11 @@ class AmpHandle:
             self._install_masters(opt)
             self._optimizer_hooks[id(opt)] = amp_optimizer.attach(opt, binding)
             self._bindings.append(binding)
+        left = self.masters.without_remainders if self.masters is not None else []
+        if left:
+            names = ", ".join(self.param_name(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
+            self.log(1, f"ampinit: master_weights='remainder': {len(left)} bfloat16 parameter(s) are not "
+                        f"contiguous (channels_last?) and keep 4-byte FP32 masters instead: {names}", logging.WARNING)
         for model in self.models:
             self._hooks.extend(self._install_state_dict_hooks(model, original))
             model.__dict__[_MODEL_ATTR] = self._link

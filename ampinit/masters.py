@@ -80,6 +80,9 @@ class MasterWeights:
         # model parameter -> (int16 remainders, int32 tie words): masters kept as remainders
         self._remainders: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._remainder_mode = False
+        # bfloat16 parameters that keep FP32 masters although remainders were asked for (not
+        # contiguous); the handle names them in a warning
+        self.without_remainders: List[torch.Tensor] = []
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -92,18 +95,17 @@ class MasterWeights:
         self._value[tensor] = value
         return value
 
-    def keep_as_remainders(self) -> List[torch.Tensor]:
+    def keep_as_remainders(self) -> None:
         """After the cast: every cast bfloat16 parameter that is contiguous keeps its master as
         remainders from now on, and its FP32 storage is let go; so do bfloat16 parameters that
-        an optimizer takes later (``take``).  Returns the cast bfloat16 parameters that cannot
-        (not contiguous: channels_last) and keep FP32 masters."""
+        an optimizer takes later (``take``).  Those that cannot (not contiguous: channels_last)
+        keep FP32 masters and are listed in ``without_remainders``."""
         self._remainder_mode = True
-        left = []
         for tensor in list(self._value):
             if not (isinstance(tensor, nn.Parameter) and tensor.dtype == torch.bfloat16):
                 continue
             if not tensor.is_contiguous():
-                left.append(tensor)
+                self.without_remainders.append(tensor)
                 continue
             value = self._value.pop(tensor)
             self._model_of.pop(value, None)
@@ -111,7 +113,6 @@ class MasterWeights:
             with torch.no_grad():
                 ops.split_masters_([tensor], [remainder], [ties], [value])
             self._remainders[tensor] = (remainder, ties)
-        return left
 
     # -- lookups -------------------------------------------------------------------------------
     def master_of(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -150,6 +151,8 @@ class MasterWeights:
             self._updated.add(param)
             return param
         master = self._value.get(param)
+        if master is None and self._remainder_mode and param.dtype == torch.bfloat16 and not param.is_contiguous():
+            self.without_remainders.append(param)
         if master is None and self._remainder_mode and param.dtype == torch.bfloat16 and param.is_contiguous():
             # bfloat16 already (cast by the user): its master is the weight, with zero remainders
             self._cast_dtype[param] = param.dtype
@@ -219,6 +222,18 @@ class MasterWeights:
         tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
         self.check_model(tensors)
         self._adopt_written(tensors)
+
+    def check_remainder_layout(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Raise a clear error if a parameter kept with remainders stopped being contiguous
+        (``model.to(memory_format=torch.channels_last)`` after ``initialize``): its remainders
+        and tie bits follow the element order it had then."""
+        for tensor in tensors:
+            if not tensor.is_contiguous():
+                raise RuntimeError(
+                    f"{self._names.get(tensor, 'a parameter')} keeps its FP32 master as bfloat16 weight + "
+                    "remainders in the contiguous layout it had at ampinit.initialize, but it is no longer "
+                    "contiguous: the model's memory format was changed after initialize (channels_last?).  "
+                    "Change it before ampinit.initialize (such parameters then keep FP32 masters)")
 
     def _reset_remainders(self, tensors: List[torch.Tensor]) -> None:
         """These masters become their model weights exactly (remainders and tie bits zeroed)."""

@@ -360,11 +360,14 @@ def new_remainders(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def split_masters_(weights: Tensors, remainders: Tensors, ties: Tensors, masters: Tensors) -> None:
     """Write each FP32 ``masters[i]`` as ``weights[i]`` (bfloat16, round to nearest even) plus
-    its remainders: :func:`join_masters` gives the master back bit for bit (NaN as bfloat16's NaN)."""
+    its remainders: :func:`join_masters` gives the master back bit for bit (NaN as bfloat16's NaN;
+    a master beyond bfloat16's range, which rounds to an inf weight, as that inf)."""
     for weight, remainder, tie_words, master in zip(weights, remainders, ties, masters):
         _fallback.split_master_(weight, remainder, tie_words, master)
 
 
 def join_masters(weights: Tensors, remainders: Tensors, ties: Tensors) -> List[torch.Tensor]:
-    """The FP32 masters of bfloat16 ``weights`` and their remainders, as new tensors."""
+    """The FP32 masters of bfloat16 ``weights`` and their remainders, as new tensors.  A weight
+    written since the split keeps its remainder only where it is finite and still the rounding
+    of weight + remainder; else the master is the weight itself (never NaN from a kept remainder)."""
     return [_fallback.join_master(w, r, t) for w, r, t in zip(weights, remainders, ties)]

@@ -132,7 +132,8 @@ inline void check_remainders(const char* op, at::TensorList params, at::TensorLi
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& param = params[i];
     TORCH_CHECK(param.scalar_type() == at::kBFloat16 && param.is_contiguous(), "ampinit.", op, ": param ", i,
-                " has remainders, so it must be a contiguous bfloat16 tensor; got ", param.scalar_type());
+                " has remainders, so it must be a contiguous bfloat16 tensor; got a ",
+                param.is_contiguous() ? "contiguous " : "non-contiguous ", param.scalar_type(), " tensor");
     TORCH_CHECK(remainders[i].scalar_type() == at::kShort && remainders[i].is_contiguous() &&
                     remainders[i].numel() == param.numel() && remainders[i].device() == param.device(),
                 "ampinit.", op, ": remainders[", i, "] must be a contiguous int16 tensor of the param's size "

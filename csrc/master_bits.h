@@ -6,7 +6,8 @@
 // is set), mod 2^32.  A bfloat16 value of even mantissa is the rounding of 65537 floats (both
 // ties included), one more than 16 bits tell apart: the tie bit (bit j % 32 of word j / 32, j the
 // element's index) marks the upper tie, remainder +32768, stored as -32768.  The kernels read and
-// write it only where the remainder is -32768.
+// write it only where the remainder is -32768.  A master beyond bfloat16's range rounds to an inf
+// weight, which joins to that inf (an inf written into the weight must stay inf).
 //
 // Stochastic rounding: rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 =
 // 0.999 (0.999 * v is within half an ulp of v and rounds back to v).  16 bits of noise added
@@ -31,13 +32,16 @@ AMPINIT_BITS_FN uint32_t rounded(uint32_t bits) {
   return nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
 }
 
-// bits(weight) << 16, plus the remainder where weight is still the rounding of the sum: a weight
-// written from outside since the last split (zeroed, clamped, pruned) may not be, and a kept
-// remainder could carry it across zero into NaN.  The master is then the weight itself.
+// bits(weight) << 16, plus the remainder where weight is still the rounding of the sum and is
+// finite: a weight written from outside since the last split (zeroed, clamped, pruned, set to
+// inf) may not be, and a kept remainder could carry it across zero into NaN, or out of inf.
+// The master is then the weight itself.
 AMPINIT_BITS_FN uint32_t joined(uint16_t weight, int16_t remainder, bool tie) {
   const uint32_t high = static_cast<uint32_t>(weight) << 16;
   const uint32_t sum = high + static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie ? 0x10000u : 0u);
-  return rounded(sum) == weight ? sum : high;
+  // an inf (or NaN) weight is its own master: inf - 1 would round back to inf, yet be finite
+  const bool special = (weight & 0x7fffu) >= 0x7f80u;
+  return !special && rounded(sum) == weight ? sum : high;
 }
 
 // The split of a master's bits: weight = its rounding, remainder = the rest in [-32768, 32768]

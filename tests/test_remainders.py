@@ -62,7 +62,12 @@ def test_split_rounds_to_nearest_even_and_join_gives_every_float_back(size):
     remainder, ties = ops.new_remainders(weight)
     ops.split_masters_([weight], [remainder], [ties], [values])
     _assert_bitwise(weight, values.to(torch.bfloat16), "weight is the round-to-nearest-even")
-    _assert_bitwise(ops.join_masters([weight], [remainder], [ties])[0], values, "joined master")
+    joined = ops.join_masters([weight], [remainder], [ties])[0]
+    # a master beyond bfloat16's range rounds to an inf weight, which is its own master
+    overflow = torch.isinf(values.to(torch.bfloat16)) & torch.isfinite(values)
+    assert int(overflow.sum()) >= (2 if size == "special" else 0)
+    _assert_bitwise(joined[~overflow], values[~overflow], "joined master")
+    assert torch.equal(joined[overflow], values[overflow].to(torch.bfloat16).float())
     assert int((remainder == -32768).sum()) > 100 and int(ties.ne(0).sum()) > 0  # both ties were planted
 
 
@@ -606,3 +611,66 @@ def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kerne
         assert torch.equal(state["exp_avg"].view(torch.int16), _stochastic_bf16(grad, step, 1).view(torch.int16))
         assert torch.equal(state["exp_avg_sq"].view(torch.int16),
                            _stochastic_bf16(grad * grad, step, 2).view(torch.int16))
+
+
+# -- what the second review found ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
+def test_an_inf_or_zero_weight_is_its_own_master_whatever_remainder_it_kept(use_kernels, monkeypatch):
+    """Every special weight with every stale remainder: the joined master is the weight itself
+    (an inf - 1 would round back to inf yet be finite; a 0 + negative remainder would be NaN)."""
+    _kernels_or_skip("cpu", use_kernels)
+    if not use_kernels:
+        monkeypatch.setattr(ops, "_use_kernels", lambda *args: False)
+    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0], dtype=torch.bfloat16)
+    stale = torch.tensor([-32768, -5, -1, 1, 5, 32767], dtype=torch.int16)
+    weight = specials.repeat_interleave(len(stale)).repeat(4)  # 96 elements: vector steps and a tail
+    remainder = stale.repeat(len(specials) * 4)
+    ties = torch.full(((weight.numel() + 31) // 32,), -1, dtype=torch.int32)  # every tie bit set
+    step = [torch.zeros(())]
+    state = [torch.zeros(weight.shape), torch.zeros(weight.shape)]
+    (ops if use_kernels else _fallback).fused_adam_(
+        [weight], [torch.zeros(weight.shape, dtype=torch.bfloat16)], state[:1], state[1:], step, [], lr=0.0,
+        beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True, bias_correction=True,
+        inv_scale=torch.ones(1), found_inf=torch.zeros(1), remainders=[remainder], ties=[ties])
+    expected = specials.repeat_interleave(len(stale)).repeat(4)
+    assert torch.equal(weight.view(torch.int16), expected.view(torch.int16))
+    joined = ops.join_masters([weight], [remainder], [ties])[0]
+    assert torch.equal(torch.isinf(joined), torch.isinf(expected.float()))
+    assert not torch.isnan(joined).any() and (joined[~torch.isinf(joined)].abs() < 1e-38).all()
+
+
+def test_the_fallback_keeps_an_inf_weight_inf_without_weight_decay():
+    for call in ("sgd", "adam_l2"):
+        param = torch.tensor([float("inf"), 1.0])
+        flags = dict(inv_scale=torch.ones(1), found_inf=torch.zeros(1))
+        if call == "sgd":
+            _fallback.fused_sgd_([param], [torch.ones(2)], [], [torch.zeros(())], [], lr=0.1, momentum=0.0,
+                                 dampening=0.0, weight_decay=0.0, nesterov=False, **flags)
+        else:
+            _fallback.fused_adam_([param], [torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(())], [],
+                                  lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+                                  decoupled_weight_decay=False, bias_correction=True, **flags)
+        assert torch.isinf(param[0]) and float(param[1]) < 1.0, call
+
+
+def test_changing_the_memory_format_after_initialize_raises_before_the_step():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+    model, opt = amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5", master_weights="remainder",
+                                verbosity=0)
+    model.to(memory_format=torch.channels_last)
+    loss = model(torch.randn(2, 3, 8, 8)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="memory format was changed after initialize"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_user_cast_channels_last_bf16_parameter_is_named_in_the_warning(caplog):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+    model = model.to(torch.bfloat16).to(memory_format=torch.channels_last)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5", master_weights="remainder")
+    assert "not contiguous" in caplog.text and "0.weight" in caplog.text

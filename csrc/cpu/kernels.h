@@ -282,7 +282,8 @@ inline bool join16(const uint16_t* weight, const int16_t* rest, FloatVec& lo, Fl
     const __m256i w = _mm256_cvtepu16_epi32(w8);
     const __m256i high = _mm256_slli_epi32(w, 16);
     const __m256i bits = _mm256_add_epi32(high, _mm256_cvtepi16_epi32(r8));
-    const __m256i still_rounds = _mm256_cmpeq_epi32(rounded_bits8(bits), w);
+    const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f80), _mm256_and_si256(w, _mm256_set1_epi32(0x7fff)));
+    const __m256i still_rounds = _mm256_and_si256(_mm256_cmpeq_epi32(rounded_bits8(bits), w), finite);
     *out[h] = FloatVec(_mm256_castsi256_ps(_mm256_blendv_epi8(high, bits, still_rounds)));
   }
   return !_mm256_testz_si256(ties, ties);
