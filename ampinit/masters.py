@@ -32,8 +32,10 @@ The optimizer holds the model parameter itself; its fused kernel joins, updates 
 master.  ``model.state_dict()`` and ``end`` read the joined FP32 value; ``model.load_state_dict``
 splits the loaded one.  ``amp.master_params`` yields the bfloat16 parameters themselves (their
 ``.grad`` is what the kernel reads: clip that).  A write to such a weight from outside ampinit
-keeps its remainder: the master moves to the written value plus less than half a bfloat16 ulp
-(an FP32 master would take the written value exactly).
+keeps its remainder where the written weight is finite and still the rounding of weight +
+remainder: the master is then within half a bfloat16 ulp of the written value; elsewhere (a
+weight zeroed, sign-flipped or set to inf) the master is the written value itself (an FP32
+master takes the written value exactly in both cases).
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
@@ -151,15 +153,15 @@ class MasterWeights:
             self._updated.add(param)
             return param
         master = self._value.get(param)
-        if master is None and self._remainder_mode and param.dtype == torch.bfloat16 and not param.is_contiguous():
+        if master is None and self._remainder_mode and param.dtype == torch.bfloat16:
+            if param.is_contiguous():
+                # bfloat16 already (cast by the user): its master is the weight, with zero remainders
+                self._cast_dtype[param] = param.dtype
+                self._added.add(param)
+                self._remainders[param] = ops.new_remainders(param)
+                self._updated.add(param)
+                return param
             self.without_remainders.append(param)
-        if master is None and self._remainder_mode and param.dtype == torch.bfloat16 and param.is_contiguous():
-            # bfloat16 already (cast by the user): its master is the weight, with zero remainders
-            self._cast_dtype[param] = param.dtype
-            self._added.add(param)
-            self._remainders[param] = ops.new_remainders(param)
-            self._updated.add(param)
-            return param
         if master is None:
             self._cast_dtype[param] = param.dtype
             self._added.add(param)
@@ -241,21 +243,21 @@ class MasterWeights:
             for part in self._remainders[tensor]:
                 part.zero_()
 
-    def load(self, tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    def load(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """A checkpoint's FP32 ``value`` of ``tensor`` (``model.load_state_dict``): the master
-        takes it (a master kept as remainders is split, its weight written too).  Returns
-        whether ``tensor`` has a master of ``value``'s shape."""
+        takes it (a master kept as remainders is split, its weight written too); under
+        ``torch.distributed`` the masters then keep it rather than start from the model.
+        Nothing happens for a tensor without a master or a value of another shape."""
         parts = self._remainders.get(tensor)
         master = self._value.get(tensor)
         if value.shape != tensor.shape or (parts is None and master is None):
-            return False
+            return
         with torch.no_grad():
             if parts is not None:
                 ops.split_masters_([tensor], [parts[0]], [parts[1]], [value.to(tensor.device)])
             else:
                 master.copy_(value)
         self._loaded = True
-        return True
 
     def start(self) -> None:
         """At every backward: the first one compares every value (see :meth:`sync`); later
@@ -295,11 +297,6 @@ class MasterWeights:
     def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor) -> None:
         for tensor, fingerprint in zip(tensors, fingerprints):
             self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
-
-    def mark_loaded(self) -> None:
-        """A checkpoint was loaded into FP32 values (``load_state_dict``): under
-        ``torch.distributed`` the masters then keep it rather than start from the model."""
-        self._loaded = True
 
     # -- masters -> model ------------------------------------------------------------------------
     def copy_to_model(self, masters: List[torch.Tensor]) -> None:

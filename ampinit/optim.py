@@ -120,6 +120,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         scaled_grads = scaled_grads or {}
         model_of = model_of or {}
         remainders = remainders or {}
+        self._check_update([p for group in self.param_groups for p in group["params"]
+                            if p in scaled_grads or p.grad is not None])
         for group in self.param_groups:
             calls: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = {}
             for param in group["params"]:
@@ -151,6 +153,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                              inv_scale if scaled else unit_inv,
                              found_inf if found_inf is not None else zero_found,
                              [r for r, _ in rests], [t for _, t in rests])
+
+    def _check_update(self, params: List[torch.Tensor]) -> None:
+        """Raise for a param these kernels cannot update, before any param is updated."""
 
     def _step_tensor(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state[param]
@@ -387,6 +392,10 @@ class FusedAdam(_FusedOptimizer):
                             "bfloat16 params in bfloat16; this param is float16.  Give it float32 masters "
                             "(ampinit O2) or use state_dtype=None")
         return dtype
+
+    def _check_update(self, params: List[torch.Tensor]) -> None:
+        for param in params:
+            self._moment_dtype(param, [])
 
     def _update(self, group, params, grads, models, inv_scale, found_inf, remainders, ties) -> None:
         dtypes = [self._moment_dtype(param, remainders) for param in params]

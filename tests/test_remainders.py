@@ -256,11 +256,14 @@ def test_state_dtype_is_validated():
     with pytest.raises(ValueError, match="state_dtype"):
         FusedAdam([param], state_dtype=torch.float16)
     half = nn.Parameter(torch.zeros(3, dtype=torch.float16))
-    opt = FusedAdam([half], state_dtype=torch.bfloat16)
+    first = nn.Parameter(torch.zeros(3))  # a group that would be updated before the float16 one
+    opt = FusedAdam([{"params": [first]}, {"params": [half]}], state_dtype=torch.bfloat16)
     half.grad = torch.ones(3, dtype=torch.float16)
+    first.grad = torch.ones(3)
     with pytest.raises(TypeError, match="float16"):
         opt.step()
     assert torch.equal(half, torch.zeros(3, dtype=torch.float16)) and not opt.state[half]
+    assert torch.equal(first, torch.zeros(3)) and not opt.state[first]
 
 
 # -- end to end: O5 with remainders trains bit for bit like O5 with FP32 masters ------------------

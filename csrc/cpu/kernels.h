@@ -330,16 +330,14 @@ inline void load_param(const P* param, const MasterRemainder& r, int64_t i, int6
 #endif
     alignas(64) uint32_t bits[kStep] = {};
     int any_tie = 0;
-    if (count == kStep) {
-      for (int64_t k = 0; k < kStep; ++k) {
-        bits[k] = bf16_bits::joined(weight[k], rest[k], false);
-        any_tie |= rest[k] == -32768;
-      }
+    const auto join = [&](int64_t k) {
+      bits[k] = bf16_bits::joined(weight[k], rest[k], false);
+      any_tie |= rest[k] == -32768;
+    };
+    if (count == kStep) {  // a constant trip count: the compiler vectorizes this loop
+      for (int64_t k = 0; k < kStep; ++k) join(k);
     } else {
-      for (int64_t k = 0; k < count; ++k) {
-        bits[k] = bf16_bits::joined(weight[k], rest[k], false);
-        any_tie |= rest[k] == -32768;
-      }
+      for (int64_t k = 0; k < count; ++k) join(k);
     }
     if (any_tie) {
       for (int64_t k = 0; k < count; ++k) {
