@@ -358,10 +358,31 @@ def new_remainders(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
             torch.zeros((weight.numel() + 31) // 32, dtype=torch.int32, device=weight.device))
 
 
+def _check_remainder_lists(op: str, weights: Tensors, remainders: Tensors, ties: Tensors,
+                           masters: Optional[Tensors] = None) -> None:
+    """Clear errors for lists that :func:`new_remainders` did not make, before anything is written."""
+    lists = [weights, remainders, ties] + ([] if masters is None else [masters])
+    if len({len(items) for items in lists}) != 1:
+        raise ValueError(f"ampinit.ops.{op}: weights, remainders, ties{' and masters' if masters is not None else ''} "
+                         f"must have the same length; got {[len(items) for items in lists]}")
+    for index, (weight, remainder, tie_words) in enumerate(zip(weights, remainders, ties)):
+        if not (weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+            raise TypeError(f"ampinit.ops.{op}: weights[{index}] must be a contiguous bfloat16 tensor; got "
+                            f"{weight.dtype}{'' if weight.is_contiguous() else ', not contiguous'}")
+        if remainder.dtype != torch.int16 or remainder.numel() != weight.numel() or \
+                tie_words.dtype != torch.int32 or tie_words.numel() != (weight.numel() + 31) // 32:
+            raise ValueError(f"ampinit.ops.{op}: entry {index} needs an int16 remainder per element and "
+                             f"ceil(numel / 32) int32 tie words, as ops.new_remainders makes them")
+        if masters is not None and masters[index].shape != weight.shape:
+            raise ValueError(f"ampinit.ops.{op}: masters[{index}] has shape {tuple(masters[index].shape)}, its "
+                             f"weight {tuple(weight.shape)}")
+
+
 def split_masters_(weights: Tensors, remainders: Tensors, ties: Tensors, masters: Tensors) -> None:
     """Write each FP32 ``masters[i]`` as ``weights[i]`` (bfloat16, round to nearest even) plus
     its remainders: :func:`join_masters` gives the master back bit for bit (NaN as bfloat16's NaN;
     a master beyond bfloat16's range, which rounds to an inf weight, as that inf)."""
+    _check_remainder_lists("split_masters_", weights, remainders, ties, masters)
     for weight, remainder, tie_words, master in zip(weights, remainders, ties, masters):
         _fallback.split_master_(weight, remainder, tie_words, master)
 
@@ -370,4 +391,5 @@ def join_masters(weights: Tensors, remainders: Tensors, ties: Tensors) -> List[t
     """The FP32 masters of bfloat16 ``weights`` and their remainders, as new tensors.  A weight
     written since the split keeps its remainder only where it is finite and still the rounding
     of weight + remainder; else the master is the weight itself (never NaN from a kept remainder)."""
+    _check_remainder_lists("join_masters", weights, remainders, ties)
     return [_fallback.join_master(w, r, t) for w, r, t in zip(weights, remainders, ties)]

@@ -677,3 +677,18 @@ def test_a_user_cast_channels_last_bf16_parameter_is_named_in_the_warning(caplog
     with caplog.at_level("WARNING", logger="ampinit"):
         amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5", master_weights="remainder")
     assert "not contiguous" in caplog.text and "0.weight" in caplog.text
+
+
+def test_split_and_join_reject_lists_they_cannot_use_before_writing():
+    weight = torch.ones(40, dtype=torch.bfloat16)
+    remainder, ties = ops.new_remainders(weight)
+    master = torch.full((40,), 1.5)
+    with pytest.raises(TypeError, match="contiguous bfloat16"):
+        ops.split_masters_([weight.half()], [remainder], [ties], [master])
+    with pytest.raises(ValueError, match="same length"):
+        ops.split_masters_([weight, weight], [remainder], [ties], [master])
+    with pytest.raises(ValueError, match="tie words"):
+        ops.join_masters([weight], [remainder], [ties[:1]])
+    with pytest.raises(ValueError, match="shape"):
+        ops.split_masters_([weight], [remainder], [ties], [master[:8]])
+    assert torch.equal(weight, torch.ones(40, dtype=torch.bfloat16)) and not remainder.any() and not ties.any()
