@@ -181,14 +181,29 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK32 = 0xFFFFFFFF
 
 
+def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view (some order of its dims is then
+    contiguous; no copy), or the elements of its contiguous copy (a tensor with gaps or overlaps)."""
+    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+    permuted = tensor.permute(order)
+    return (permuted if permuted.is_contiguous() else tensor.contiguous()).reshape(-1)
+
+
+_FINGERPRINT_SLICE = 1 << 20  # elements per pass: the int64 temporaries stay at a few MiB
+
+
 def fingerprint(inputs: Tensors) -> torch.Tensor:
     """See ``ampinit.ops.fingerprint`` (int64 arithmetic wraps mod 2**64, a multiple of 2**32)."""
     out = []
     for tensor in inputs:
-        bits = tensor.detach().contiguous().reshape(-1).view(_BITS[tensor.element_size()]).to(torch.int64)
-        bits &= (1 << (8 * tensor.element_size())) - 1 if tensor.element_size() < 8 else -1
-        weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1
-        out.append((((bits + 1) * weights) & _MASK32).sum() & _MASK32)
+        flat = _memory_order(tensor.detach()).view(_BITS[tensor.element_size()])
+        unsigned = (1 << (8 * tensor.element_size())) - 1 if tensor.element_size() < 8 else -1
+        total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+        for start in range(0, flat.numel(), _FINGERPRINT_SLICE):
+            bits = flat[start:start + _FINGERPRINT_SLICE].to(torch.int64) & unsigned
+            weights = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1
+            total += (((bits + 1) * weights) & _MASK32).sum()
+        out.append(total & _MASK32)
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
 
 

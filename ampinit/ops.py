@@ -227,15 +227,17 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
 
 
 def fingerprint(inputs: Tensors) -> torch.Tensor:
-    """One int64 per tensor (in [0, 2**32)): the sum over its elements, in order, of
+    """One int64 per tensor (in [0, 2**32)): the sum over its elements of
     ``(bits + 1) * (2 * index + 1)`` mod 2**32, the bits read as an unsigned 16- or 32-bit
-    integer.  Any change to one element changes it (the weights are odd), so it tells a tensor
-    written since it was taken, through ``.data`` included, at 2 or 4 bytes read per element.
-    On the device of the inputs.  No sync.  (CPU kernel; on other devices the torch fallback.)"""
+    integer and ``index`` counted in memory order (a dense tensor is read where it lies, whatever
+    its strides; one with gaps or overlaps as its contiguous copy).  Any change to one element
+    changes it (the weights are odd), so it tells a tensor written since it was taken, through
+    ``.data`` included, at 2 or 4 bytes read per element.  On the device of the inputs.  No sync;
+    safe to capture in a CUDA graph."""
     inputs = list(inputs)
     if not inputs:
         return torch.zeros(0, dtype=torch.int64)
-    if inputs[0].device.type == "cpu" and _use_kernels(inputs[0].device, inputs):
+    if _use_kernels(inputs[0].device, inputs):
         return torch.ops.ampinit.fingerprint(inputs)
     return _fallback.fingerprint(inputs)
 

@@ -2,7 +2,8 @@
 
 Views at odd offsets (input and output misaligned differently), many tensors of interleaved
 dtypes over several launches with both kernel-parameter spaces (4 KiB and 32 KiB), CUDA-graph
-capture and replay of every op, no host sync, flags on the wrong device, and l2norm's range.
+capture and replay of every op (the model-write detection included), no host sync, flags on the
+wrong device, and l2norm's range.
 Each test compares against the torch fallback or a float64 reference computed independently.
 Collected everywhere; skipped without a GPU or without the compiled CUDA kernels.
 """
@@ -104,6 +105,30 @@ def test_misaligned_l2norm(dtype, offset, param_space):
     torch.testing.assert_close(total.double(), reference.norm().reshape(1), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offsets", OFFSETS)
+def test_misaligned_fingerprint_and_adopt(dtype, offsets, param_space):
+    """The model at one offset, its FP32 master at another: the fingerprint and the adopted
+    masters equal the fallback's, and a single changed element changes the fingerprint."""
+    masters_values = _random(N, torch.float32, 5)
+    model = _view_at(masters_values.to(dtype), offsets[0])
+    changed = torch.tensor([0, 1, 2, 3, 4, 5, 8191, 65535, 65536, N - 1], device="cuda")
+    model[changed] = model[changed] * 2 + 1
+    master = _view_at(masters_values, offsets[1])
+    expected = master.clone()
+    _fallback.adopt_changes_([expected], [model])
+    ops.adopt_changes_([master], [model])
+    assert torch.equal(master, expected)
+    assert torch.equal(master[changed], model[changed].float())
+    fingerprint = ops.fingerprint([model, model[1:], master])
+    assert torch.equal(fingerprint, _fallback.fingerprint([model, model[1:], master]))
+    assert ops.fingerprint([_view_at(model, offsets[1])])[0] == fingerprint[0]  # the address does not count
+    for index in (0, 3, 65535, N - 1):
+        edited = _view_at(model, offsets[1])
+        edited[index] = 8.0 if edited[index].item() == 7.0 else 7.0
+        assert ops.fingerprint([edited])[0] != fingerprint[0], index
+
+
 @pytest.mark.parametrize("param_dtype, grad_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("offsets", OFFSETS)
@@ -173,6 +198,7 @@ def test_interleaved_dtypes_many_launches(count, param_space):
     per.zero_()
     ops.check_finite_(inputs, found, per)
     assert set(per.nonzero().flatten().tolist()) == bad
+    assert torch.equal(ops.fingerprint(inputs), _fallback.fingerprint(inputs))
     clean = [x for i, x in enumerate(inputs) if i not in bad]
     total, norms = ops.l2norm(clean, per_tensor=True)
     reference = torch.stack([x.double().norm() for x in clean])
@@ -258,6 +284,37 @@ def test_graph_replay_of_the_elementwise_ops():
             reference = torch.stack([(g.double() * scale).norm() for g in new])
             torch.testing.assert_close(norms.double(), reference, rtol=1e-6, atol=0)
             torch.testing.assert_close(total.double(), reference.norm().reshape(1), rtol=1e-6, atol=0)
+
+
+def test_graph_replay_of_fingerprint_and_adopt():
+    """The model-write detection captured once (fingerprint, compare with the last marks, adopt
+    the flagged tensors), replayed after writes to different tensors: the eager fallback's result."""
+    values = [_random(n, torch.float32, 50 + i) for i, n in enumerate((N, 33, 4097))]
+    masters = [v.clone() for v in values]
+    models = [v.to(dtype) for v, dtype in zip(values, DTYPES)]
+    marks = ops.fingerprint(models).clone()
+
+    def detect():
+        now = ops.fingerprint(models)
+        ops.adopt_changes_(masters, models, only=now.ne(marks).float())
+        return now
+
+    graph, now = _capture(detect)
+    for trial, written in enumerate([[], [1], [0, 2]]):
+        for m, v in zip(masters, values):
+            m.copy_(v)
+        for i, model in enumerate(models):
+            model.copy_(values[i])
+            if i in written:
+                model[trial::7] = -model[trial::7] - 1
+        expected_marks = _fallback.fingerprint(models)
+        expected = [v.clone() for v in values]
+        _fallback.adopt_changes_(expected, models, only=expected_marks.ne(marks).float())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(now, expected_marks)
+        assert now.ne(marks).nonzero().flatten().tolist() == written
+        assert all(torch.equal(m, e) for m, e in zip(masters, expected))
 
 
 def test_graph_replay_of_update_scale():
@@ -355,6 +412,8 @@ def test_ops_make_no_host_sync():
         ops.check_finite_(grads, found)
         ops.copy_(grads, masters)
         ops.l2norm(grads, per_tensor=True)
+        ops.fingerprint(grads)
+        ops.adopt_changes_(masters, grads, only=torch.ones(len(grads), device="cuda"))
         ops.fused_adam_(params, grads, *state, steps, [], lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0,
                         decoupled_weight_decay=True, bias_correction=True, inv_scale=inv, found_inf=found,
                         hyper=hyper)

@@ -118,16 +118,27 @@ def test_adopt_changes_only_touches_flagged_tensors(model_dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fingerprint_equals_fallback_and_sees_every_single_change(dtype):
-    """Bitwise the fallback's formula; one changed element anywhere (the vector body, the tail,
-    a chunk boundary), a sign flip or a swap of two elements changes it; non-contiguous inputs
-    are read in logical order."""
+def test_fingerprint_equals_fallback_and_sees_every_single_change(dtype, device):
+    """Bitwise the fallback's formula; one changed element anywhere (a vector, the tail, a chunk
+    boundary of either backend), a sign flip or a swap of two elements changes it; dense
+    non-contiguous inputs (transposed, channels_last) are read in memory order, inputs with
+    gaps as their contiguous copy; many tensors in one call."""
+    _kernels_for(device)
     g = torch.Generator().manual_seed(9)
-    tensors = [torch.randn(n, generator=g).to(dtype) for n in SIZES] + [torch.randn(64, 48, generator=g).to(dtype).t()]
+    dense = [torch.randn(n, generator=g).to(dtype) for n in SIZES + [(1 << 20) + 5]]  # the fallback slices 2**20
+    odd = [torch.randn(64, 48, generator=g).to(dtype).t(),
+           torch.randn(2, 3, 5, 7, generator=g).to(dtype).to(memory_format=torch.channels_last),
+           torch.randn(9, 10, generator=g).to(dtype)[:, 1::2],
+           torch.randn(2 * 65536 + 9, generator=g).to(dtype)[3:]]   # misaligned start
+    tensors = [t.to(device) for t in dense + odd] + [torch.randn(3, generator=g).to(dtype).to(device)] * 300
     base = torch.ops.ampinit.fingerprint(tensors)
+    assert base.dtype == torch.int64 and base.device.type == device
     assert torch.equal(base, _fallback.fingerprint(tensors))
+    assert torch.equal(base[len(dense)], _fallback.fingerprint([odd[0].t().contiguous().t()])[0])
+    assert torch.equal(base[len(dense) + 1], _fallback.fingerprint([odd[1].permute(0, 2, 3, 1).contiguous()])[0])
+    assert torch.equal(base[len(dense) + 2], _fallback.fingerprint([odd[2].contiguous()])[0])
     big = tensors[6]
-    for index in (0, 15, 32767, 32768, big.numel() - 1):
+    for index in (0, 3, 15, 32767, 32768, 65535, 65536, big.numel() - 1):
         changed = big.clone()
         changed[index] = changed[index] + 1
         assert torch.ops.ampinit.fingerprint([changed]) != base[6], index

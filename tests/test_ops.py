@@ -6,6 +6,7 @@ fallback); CI runs them both ways.  test_kernels.py compares the two paths direc
 import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -405,3 +406,37 @@ def test_l2norm_squares_in_double(dtype, value, device):
     reference = torch.stack([x.double().norm(), x[:10].double().norm()])
     torch.testing.assert_close(per.cpu(), reference.float().cpu(), rtol=1e-6, atol=0)
     torch.testing.assert_close(total.cpu(), reference.norm().float().reshape(1).cpu(), rtol=1e-6, atol=0)
+
+
+def _fingerprint_reference(tensor):
+    """``ops.fingerprint``'s formula with numpy's wrapping uint64 arithmetic (2**64 is a
+    multiple of 2**32), on the elements in memory order: read from the storage for a dense
+    tensor, from the contiguous copy for one with gaps."""
+    strides_sorted = sorted(zip(tensor.stride(), tensor.shape), reverse=True)
+    expected_stride, dense = 1, True
+    for stride, size in reversed(strides_sorted):
+        if size != 1:
+            dense = dense and stride == expected_stride
+            expected_stride *= size
+    flat = (torch.as_strided(tensor, (tensor.numel(),), (1,)) if dense else tensor.contiguous().reshape(-1))
+    unsigned = {2: np.uint16, 4: np.uint32}[tensor.element_size()]
+    bits = flat.cpu().contiguous().view({2: torch.int16, 4: torch.int32}[tensor.element_size()]).numpy()
+    bits = bits.view(unsigned).astype(np.uint64)
+    weights = np.arange(bits.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return int(((bits + np.uint64(1)) * weights).sum(dtype=np.uint64) & np.uint64(0xFFFFFFFF))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fingerprint_follows_its_formula_in_memory_order(dtype, device):
+    """The facade (kernels or fallback) against an independent numpy reference: dense tensors in
+    memory order whatever their strides (transposed, channels_last, a view at an offset),
+    others (gaps) as their contiguous copy; more than 2**20 elements (the fallback's slice)."""
+    g = torch.Generator().manual_seed(12)
+    base = (torch.randn((1 << 20) + 9, generator=g) * 100).to(dtype).to(device)
+    tensors = [base, base[3:], base[:12].reshape(3, 4).t(), base[:210].reshape(2, 3, 5, 7).to(
+        memory_format=torch.channels_last), base[:90].reshape(9, 10)[:, 1::2], base[:0], base[:1]]
+    prints = ops.fingerprint(tensors)
+    assert prints.dtype == torch.int64 and prints.device == base.device
+    assert prints.tolist() == [_fingerprint_reference(t) for t in tensors]
+    assert prints[2] != ops.fingerprint([tensors[2].contiguous()])[0]  # memory order, not logical

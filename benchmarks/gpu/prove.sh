@@ -8,7 +8,10 @@
 #    nvcc already on the machine: no pip, no network;
 # 2. runs every CUDA test (pytest -m cuda: the device-parametrized tests' cuda cases and the
 #    tests/test_cuda_*.py files), with the CUDA kernels required;
-# 3. runs the GPU benchmarks (benchmarks/gpu/bench_*.py), each writing JSON and markdown.
+# 3. runs the GPU benchmarks (benchmarks/gpu/bench_*.py), each writing JSON and markdown;
+# 4. if time is left, benchmarks/bench_memory.py on the GPU (bytes per parameter, peak memory and
+#    step time of every precision recipe, remainder masters and bf16 moments included: #12's
+#    table measured on CUDA).  Optional: skipping it for lack of time is not a failure.
 #
 # Everything goes under OUTDIR: one log per stage, junit XML of the tests, the benchmarks'
 # JSON/markdown, and summary.md (also printed) with each stage's exit status and duration.
@@ -57,7 +60,7 @@ stage() {
         echo "== prove: $name skipped: no time left before the deadline"
         echo "skipped: no time left before PROVE_DEADLINE" >"$out/$name.log"
         summary+=("| $name | 125 (skipped) | 0 |")
-        failed=1
+        [ "${optional:-0}" -eq 1 ] || failed=1
         return 0
     fi
     [ "$left" -lt "$limit" ] && limit=$left
@@ -68,7 +71,8 @@ stage() {
     tail -n 5 "$out/$name.log" | sed 's/^/   | /'
     [ "$rc" -eq 124 ] && echo "   | (timed out after ${limit}s)"
     summary+=("| $name | $rc | $((end - begin)) |")
-    [ "$rc" -ne 0 ] && failed=1
+    # an optional stage's timeout (124) is reported, not failed
+    if [ "$rc" -ne 0 ] && ! { [ "${optional:-0}" -eq 1 ] && [ "$rc" -eq 124 ]; }; then failed=1; fi
     echo "== prove: $name: rc=$rc, $((end - begin))s"
     return 0
 }
@@ -99,6 +103,12 @@ for bench in grad_path many_small fused_adam o2_step gpt2; do
         --device cuda --out "$out"
 done
 
+# Optional (see 4. above): skipped without failing when the deadline is near.
+optional=1
+stage bench_memory "${PROVE_MEMORY_TIMEOUT:-150}" "$python" benchmarks/bench_memory.py --device cuda \
+    --batch 8 --seq 1024 --warmup 3 --steps 5
+optional=0
+
 {
     echo "# ampinit GPU proof"
     echo
@@ -114,6 +124,7 @@ done
     for bench in grad_path many_small fused_adam o2_step gpt2; do
         [ -f "$out/$bench.md" ] && cat "$out/$bench.md" && echo
     done
+    grep -q '^| ' "$out/bench_memory.log" 2>/dev/null && sed -n '/^## /,$p' "$out/bench_memory.log"
 } >"$out/summary.md"
 echo
 cat "$out/summary.md"

@@ -166,9 +166,9 @@ void adopt_changes_(at::TensorList masters, at::TensorList models, const std::op
 
 at::Tensor fingerprint(at::TensorList inputs) {
   for (size_t i = 0; i < inputs.size(); ++i) check_row("fingerprint", i, {inputs[i]}, at::kCPU);
-  std::vector<at::Tensor> in;  // logical order: a dense transposed tensor is read as its copy would be
+  std::vector<at::Tensor> in;  // dense tensors in memory order (no copy), others as their copy
   in.reserve(inputs.size());
-  for (const auto& tensor : inputs) in.push_back(tensor.contiguous());
+  for (const auto& tensor : inputs) in.push_back(tensor.is_non_overlapping_and_dense() ? tensor : tensor.contiguous());
   std::vector<std::atomic<uint32_t>> sums(in.size());
   for (auto& sum : sums) sum.store(0, std::memory_order_relaxed);
   const auto& k = kernels();

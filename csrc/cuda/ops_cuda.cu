@@ -1,5 +1,5 @@
-// CUDA implementations of the elementwise ampinit ops (unscale, accumulate, copy, check), the
-// L2 norm and the loss-scale update, all on the multi-tensor launcher.  The optimizers are in
+// CUDA implementations of the elementwise ampinit ops (unscale, accumulate, copy, adopt, check),
+// the L2 norm, the fingerprint and the loss-scale update, all on the multi-tensor launcher.  The optimizers are in
 // optim_cuda.cu.
 //
 // The scale and found_inf are read from device memory inside the kernels: no op reads a device
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "common.cuh"
@@ -205,6 +206,47 @@ __device__ T block_sum(T value) {
   return total;
 }
 
+// Each block's share of its tensor's fingerprint (see ops.fingerprint): the sum over its chunk
+// of (bits + 1) * (2 * index + 1), in uint32 arithmetic, which wraps mod 2**32 as the contract
+// does, added to the tensor's sum with a wrapping atomicAdd: integer sums in any order agree,
+// so the result is deterministic.  The elements are read as raw bits, never converted.
+template <typename In>
+struct FingerprintFunctor {
+  uint32_t* sums;
+  template <typename Meta>
+  __device__ void operator()(const Meta& meta, int t, int64_t chunk) const {
+    using Bits = std::conditional_t<sizeof(In) == 2, uint16_t, uint32_t>;
+    const ChunkRange range(meta.sizes[t], chunk);
+    const Bits* x_ptr = static_cast<const Bits*>(meta.addresses[0][t]) + range.start;
+    const int head = head_to_align(x_ptr);
+    const ArrayRef<const Bits> x(x_ptr, head);
+    const uint32_t first_weight = 2u * static_cast<uint32_t>(range.start) + 1u;
+    uint32_t sum = 0;
+    Bits v[kUnroll][kILP];
+    for_each_pack(
+        Split(range.length, head),
+        [&](int u, int64_t i, int count) {
+          if (count == kILP && x.vectors) {
+            const Pack<Bits, kILP> pack = *reinterpret_cast<const Pack<Bits, kILP>*>(x.p + i);
+#pragma unroll
+            for (int k = 0; k < kILP; ++k) v[u][k] = pack.values[k];
+          } else {
+            for (int k = 0; k < count; ++k) v[u][k] = x.p[i + k];
+          }
+        },
+        [&](int u, int64_t i, int count) {
+#pragma unroll
+          for (int k = 0; k < kILP; ++k) {
+            if (k < count) {
+              sum += (static_cast<uint32_t>(v[u][k]) + 1u) * (first_weight + 2u * static_cast<uint32_t>(i + k));
+            }
+          }
+        });
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) atomicAdd(sums + meta.tensor_index[t], sum);
+  }
+};
+
 // Each block's sum of squares, every square and sum in double (a float square overflows for
 // |x| > ~1.8e19 and underflows below ~1e-23): partials[block_offset + block], the blocks of one
 // tensor consecutive.  The GPU is bandwidth-bound here, double arithmetic included.
@@ -363,6 +405,24 @@ void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std
   }
 }
 
+at::Tensor fingerprint(at::TensorList inputs) {
+  TORCH_CHECK(!inputs.empty(), "ampinit.fingerprint: on CUDA, pass at least one tensor (the device comes from it)");
+  const at::Device device = cuda_device_of("fingerprint", {inputs});
+  for (size_t i = 0; i < inputs.size(); ++i) check_row("fingerprint", i, {inputs[i]}, device);
+  const c10::cuda::CUDAGuard guard(device);
+  DenseRows rows({inputs.vec()}, {false});  // dense tensors in memory order, others as their copy
+  const std::vector<std::vector<at::Tensor>> lists = {rows.list(0)};
+  at::Tensor sums = at::zeros({static_cast<int64_t>(inputs.size())}, at::TensorOptions().dtype(at::kInt).device(device));
+  auto* out = reinterpret_cast<uint32_t*>(sums.data_ptr<int32_t>());
+  for (const auto& group : group_by_dtypes(lists)) {
+    const auto sub = select(lists, group);
+    with_type(sub[0][0].scalar_type(), [&](auto in) {
+      launch<1>(sub, {}, as_indices(group), FingerprintFunctor<decltype(in)>{out});
+    });
+  }
+  return sums.to(at::kLong).bitwise_and(0xFFFFFFFFLL);  // the uint32 sums, as int64
+}
+
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList inputs, bool per_tensor) {
   TORCH_CHECK(!inputs.empty(), "ampinit.l2norm: on CUDA, pass at least one tensor (the device comes from it)");
   const at::Device device = cuda_device_of("l2norm", {inputs});
@@ -443,6 +503,7 @@ TORCH_LIBRARY_IMPL(ampinit, CUDA, m) {
   m.impl("copy_", &copy_);
   m.impl("adopt_changes_", &adopt_changes_);
   m.impl("check_finite_", &check_finite_);
+  m.impl("fingerprint", &fingerprint);
   m.impl("l2norm", &l2norm);
   m.impl("update_scale_", &update_scale_);
 }
