@@ -3,6 +3,9 @@ width 768, 12 heads, context 1024, vocabulary padded to 50304), same run:
 
 - ampinit: ``ampinit.initialize(model, FusedAdamW, opt_level="O2")`` (fp16, dynamic loss scale)
   and ``"O5"`` (bf16), ``ampinit.scale_loss`` + ``optimizer.step()``;
+  and ``"O5"`` with ``master_weights="remainder"`` and ``FusedAdamW(state_dtype=torch.bfloat16)``
+  (10.125 bytes per parameter for weights, masters and state instead of 16: the README's
+  "Memory" section);
 - torch: ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``; bf16 without) with
   ``torch.optim.AdamW(fused=True)`` on the FP32 model.
 
@@ -77,11 +80,12 @@ def loss_of(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def run_ampinit(opt_level, cfg, batches, device, warmup):
+def run_ampinit(opt_level, cfg, batches, device, warmup, master_weights=None, state_dtype=None):
     torch.manual_seed(0)
     model = GPT(**cfg).to(device)
-    opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+    opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_dtype=state_dtype)
+    extra = {} if master_weights is None else {"master_weights": master_weights}
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0, **extra)
 
     def train_step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -149,7 +153,9 @@ def main():
                                                                                    warmup)),
             ("ampinit O2 (fp16) + FusedAdamW", lambda: run_ampinit("O2", cfg, batches, device, warmup)),
             ("torch.amp bf16 + AdamW(fused)", lambda: run_torch_amp(torch.bfloat16, cfg, batches, device, warmup)),
-            ("ampinit O5 (bf16) + FusedAdamW", lambda: run_ampinit("O5", cfg, batches, device, warmup))]
+            ("ampinit O5 (bf16) + FusedAdamW", lambda: run_ampinit("O5", cfg, batches, device, warmup)),
+            ("ampinit O5 + remainder masters + FusedAdamW(bf16 state)",
+             lambda: run_ampinit("O5", cfg, batches, device, warmup, "remainder", torch.bfloat16))]
     results = {}
     for name, run in runs:
         try:
