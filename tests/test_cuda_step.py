@@ -30,11 +30,17 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def _setup(opt_level="O2", capturable=True, seed=0):
+def _setup(opt_level="O2", capturable=True, seed=0, master_weights=None):
     torch.manual_seed(seed)
     model = MLP().cuda()
     opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, capturable=capturable)
-    return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+    extra = {} if master_weights is None else {"master_weights": master_weights}
+    return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0, **extra)
+
+
+# (opt_level, master_weights): fp16 and bf16 models with FP32 masters, and bf16 weights whose
+# masters are kept as remainders (joined, updated and split inside the fused kernel)
+RECIPES = [("O2", None), ("O5", None), ("O5", "remainder")]
 
 
 def _batches(count, seed=1):
@@ -51,9 +57,9 @@ def _step(model, opt, x, y):
     return loss.detach()
 
 
-@pytest.mark.parametrize("opt_level", ["O2", "O5"])
-def test_o2_step_with_fused_adam_makes_no_host_sync(opt_level):
-    model, opt = _setup(opt_level)
+@pytest.mark.parametrize("opt_level, master_weights", RECIPES)
+def test_o2_step_with_fused_adam_makes_no_host_sync(opt_level, master_weights):
+    model, opt = _setup(opt_level, master_weights=master_weights)
     batches = _batches(6)
     for x, y in batches[:3]:  # warm-up: state, flags and hyper-parameter tensors are made here
         _step(model, opt, x, y)
@@ -66,11 +72,12 @@ def test_o2_step_with_fused_adam_makes_no_host_sync(opt_level):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_o2_step_captures_in_one_graph_and_replays_bit_identically():
+@pytest.mark.parametrize("opt_level, master_weights", RECIPES)
+def test_o2_step_captures_in_one_graph_and_replays_bit_identically(opt_level, master_weights):
     """Eager steps on one model, graph replays of one captured step on its twin, same data:
     the same parameters bit for bit (the loss scale and the skip decision stay on the device)."""
-    eager_model, eager_opt = _setup()
-    graph_model, graph_opt = _setup()
+    eager_model, eager_opt = _setup(opt_level, master_weights=master_weights)
+    graph_model, graph_opt = _setup(opt_level, master_weights=master_weights)
     batches = _batches(8)
     static_x, static_y = (t.clone() for t in batches[0])
 
@@ -101,3 +108,5 @@ def test_o2_step_captures_in_one_graph_and_replays_bit_identically():
         assert torch.equal(a, b)
     for a, b in zip(amp.master_params(graph_opt), amp.master_params(eager_opt)):
         assert torch.equal(a, b)
+    graph_state, eager_state = graph_model.state_dict(), eager_model.state_dict()  # FP32 masters, joined
+    assert all(torch.equal(graph_state[name], value) for name, value in eager_state.items())

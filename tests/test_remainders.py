@@ -6,11 +6,13 @@ Ties are planted on purpose: a bfloat16 value of even mantissa is the rounding o
 so without the tie bit one of them would come back wrong.
 """
 
+import contextlib
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ampinit as amp
 from ampinit import _fallback, ops
@@ -149,9 +151,9 @@ def test_fused_update_of_remainder_masters_equals_fp32_masters_bitwise(kind, use
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_remainder_kernels_equal_the_fallback(state_dtype, device):
-    _kernels_or_skip(device, True)
     """As for plain params, the kernels and torch may differ in the last bit (vectorized
     arithmetic); in each, the weight is the rounding of that path's master."""
+    _kernels_or_skip(device, True)
     kernel = _run_optimizer("adam", device, True, True, 4, state_dtype=state_dtype)
     fallback = _run_optimizer("adam", device, False, True, 4, state_dtype=state_dtype)
     for (a_masters, a_weights), (b_masters, b_weights) in zip(kernel, fallback):
@@ -211,19 +213,21 @@ def _adamw_with_bf16_moments(param, grads, lr, betas, eps, weight_decay):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
-def test_bf16_moments_follow_torch_arithmetic_with_stochastic_rounding(use_kernels, monkeypatch):
-    _kernels_or_skip("cpu", use_kernels)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_moments_follow_torch_arithmetic_with_stochastic_rounding(use_kernels, device, monkeypatch):
+    _kernels_or_skip(device, use_kernels)
     if not use_kernels:
         monkeypatch.setattr(ops, "_use_kernels", lambda *args: False)
     generator = torch.Generator().manual_seed(3)
     param = nn.Parameter(torch.randn(70001, generator=generator))
     grads = [torch.randn(70001, generator=generator) for _ in range(20)]
     reference, ref_m, ref_v = _adamw_with_bf16_moments(param, grads, 1e-2, (0.9, 0.999), 1e-8, 0.01)
+    param = nn.Parameter(param.detach().to(device))
     opt = FusedAdamW([param], lr=1e-2, state_dtype=torch.bfloat16)
     for grad in grads:
-        param.grad = grad
+        param.grad = grad.to(device)
         opt.step()
-    state = opt.state[param]
+    state = {key: value.cpu() for key, value in opt.state[param].items()}
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
     # the reference's float32 moments may differ from the kernel's in the last bit, so the rounded
     # values may differ by one bf16 ulp in rare elements: nearly all must be equal
@@ -231,9 +235,9 @@ def test_bf16_moments_follow_torch_arithmetic_with_stochastic_rounding(use_kerne
         assert float((ours != theirs).float().mean()) < 1e-3
         torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-6)
     # so the params agree to float32 rounding but where a moment rounded the other way
-    off = (param.detach() - reference).abs() > 1e-6 + 1e-5 * reference.abs()
+    off = (param.detach().cpu() - reference).abs() > 1e-6 + 1e-5 * reference.abs()
     assert float(off.float().mean()) < 1e-3
-    torch.testing.assert_close(param.detach(), reference, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(param.detach().cpu(), reference, rtol=1e-3, atol=1e-4)
 
 
 def test_bf16_exp_avg_sq_decays_like_fp32_after_a_spike():
@@ -281,12 +285,13 @@ class TinyLM(nn.Module):
         return self.head(self.block(self.frozen(self.embed(tokens))))
 
 
-def _tiny_setup(master_weights, optimizer="adamw", state_dtype=None, seed=0):
+def _tiny_setup(master_weights, optimizer="adamw", state_dtype=None, seed=0, device="cpu"):
     torch.manual_seed(seed)
     model = TinyLM()
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(_with_ties(param, every=5))
+    model.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "adamw":
         opt = FusedAdamW([{"params": trainable[:3], "lr": 2e-3}, {"params": trainable[3:]}], lr=1e-3,
@@ -298,8 +303,11 @@ def _tiny_setup(master_weights, optimizer="adamw", state_dtype=None, seed=0):
 
 def _tiny_step(model, opt, step, poison=False):
     data = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 48, (4, 12), generator=data)
-    logits = model(tokens[:, :-1]).float()
+    tokens = torch.randint(0, 48, (4, 12), generator=data).to(next(model.parameters()).device)
+    # CUDA's flash/memory-efficient attention backward may add in any order: the math backend is
+    # deterministic, so the two runs compared bit for bit differ only where their weights do
+    with sdpa_kernel(SDPBackend.MATH) if tokens.is_cuda else contextlib.nullcontext():
+        logits = model(tokens[:, :-1]).float()
     loss = nn.functional.cross_entropy(logits.reshape(-1, 48), tokens[:, 1:].reshape(-1))
     if poison:
         loss = loss * float("inf")
@@ -312,9 +320,12 @@ def _tiny_step(model, opt, step, poison=False):
 
 @pytest.mark.parametrize("optimizer,state_dtype,steps", [("adamw", None, 200), ("adamw", torch.bfloat16, 60),
                                                           ("sgd", None, 60)])
-def test_o5_with_remainders_trains_bit_for_bit_like_fp32_masters(optimizer, state_dtype, steps):
-    plain_model, plain_opt = _tiny_setup(True, optimizer, state_dtype)
-    model, opt = _tiny_setup("remainder", optimizer, state_dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_o5_with_remainders_trains_bit_for_bit_like_fp32_masters(optimizer, state_dtype, steps, device):
+    """On CUDA both runs use the same deterministic kernels (cuBLAS on one stream, math
+    attention), so the forward passes agree bit for bit as long as the weights do."""
+    plain_model, plain_opt = _tiny_setup(True, optimizer, state_dtype, device=device)
+    model, opt = _tiny_setup("remainder", optimizer, state_dtype, device=device)
     remainders = [opt.amp.masters.remainders_of(p) for p in model.parameters()]
     assert all(r is not None for r in remainders)  # every weight, frozen ones too
     tie_rounds = 0
@@ -534,21 +545,23 @@ def test_weights_zeroed_or_pruned_from_outside_never_join_into_nan(write):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
-def test_fused_optimizers_take_0_dim_params(use_kernels):
-    _kernels_or_skip("cpu", use_kernels)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_optimizers_take_0_dim_params(use_kernels, device):
+    _kernels_or_skip(device, use_kernels)
     results = []
     for remainders in (False, True):
-        scale = torch.tensor(1.5)
+        scale = torch.tensor(1.5, device=device)
         weight = scale.to(torch.bfloat16)
         rest, ties = ops.new_remainders(weight)
         ops.split_masters_([weight], [rest], [ties], [scale])
         param = weight if remainders else scale
         extra = dict(remainders=[rest], ties=[ties]) if remainders else {}
-        state = [torch.zeros((), dtype=torch.float32) for _ in range(2)]
+        state = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
         (ops if use_kernels else _fallback).fused_adam_(
-            [param], [torch.tensor(0.25, dtype=param.dtype)], state[:1], state[1:], [torch.zeros(())], [],
-            lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-            bias_correction=True, inv_scale=torch.ones(1), found_inf=torch.zeros(1), **extra)
+            [param], [torch.tensor(0.25, dtype=param.dtype, device=device)], state[:1], state[1:],
+            [torch.zeros((), device=device)], [], lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+            decoupled_weight_decay=True, bias_correction=True, inv_scale=torch.ones(1, device=device),
+            found_inf=torch.zeros(1, device=device), **extra)
         results.append(ops.join_masters([weight], [rest], [ties])[0] if remainders else scale)
     assert results[0].shape == () and torch.equal(results[0], results[1]) and float(results[0]) < 1.5
 
@@ -596,21 +609,22 @@ def test_remainders_on_a_level_without_a_bf16_model_say_so(level, kwargs):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
-def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kernels, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kernels, device, monkeypatch):
     """beta1 = beta2 = 0 makes the float32 moments exactly g and g*g on every backend, so their
     stored bfloat16 bits must be exactly the numpy model's, at every step (seed) and in the
     vector steps and the tail alike."""
-    _kernels_or_skip("cpu", use_kernels)
+    _kernels_or_skip(device, use_kernels)
     if not use_kernels:
         monkeypatch.setattr(ops, "_use_kernels", lambda *args: False)
-    param = nn.Parameter(torch.zeros(70001))
+    param = nn.Parameter(torch.zeros(70001, device=device))
     opt = FusedAdamW([param], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, state_dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(11)
     for step in range(1, 4):  # the step is the seed
         grad = torch.randn(70001, generator=generator) * 3
-        param.grad = grad
+        param.grad = grad.to(device)
         opt.step()
-        state = opt.state[param]
+        state = {key: value.cpu() for key, value in opt.state[param].items()}
         assert torch.equal(state["exp_avg"].view(torch.int16), _stochastic_bf16(grad, step, 1).view(torch.int16))
         assert torch.equal(state["exp_avg_sq"].view(torch.int16),
                            _stochastic_bf16(grad * grad, step, 2).view(torch.int16))
@@ -619,23 +633,25 @@ def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kerne
 # -- what the second review found ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
-def test_an_inf_or_zero_weight_is_its_own_master_whatever_remainder_it_kept(use_kernels, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inf_or_zero_weight_is_its_own_master_whatever_remainder_it_kept(use_kernels, device, monkeypatch):
     """Every special weight with every stale remainder: the joined master is the weight itself
     (an inf - 1 would round back to inf yet be finite; a 0 + negative remainder would be NaN)."""
-    _kernels_or_skip("cpu", use_kernels)
+    _kernels_or_skip(device, use_kernels)
     if not use_kernels:
         monkeypatch.setattr(ops, "_use_kernels", lambda *args: False)
-    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0], dtype=torch.bfloat16)
-    stale = torch.tensor([-32768, -5, -1, 1, 5, 32767], dtype=torch.int16)
+    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0], dtype=torch.bfloat16, device=device)
+    stale = torch.tensor([-32768, -5, -1, 1, 5, 32767], dtype=torch.int16, device=device)
     weight = specials.repeat_interleave(len(stale)).repeat(4)  # 96 elements: vector steps and a tail
     remainder = stale.repeat(len(specials) * 4)
-    ties = torch.full(((weight.numel() + 31) // 32,), -1, dtype=torch.int32)  # every tie bit set
-    step = [torch.zeros(())]
-    state = [torch.zeros(weight.shape), torch.zeros(weight.shape)]
+    ties = torch.full(((weight.numel() + 31) // 32,), -1, dtype=torch.int32, device=device)  # every tie bit set
+    step = [torch.zeros((), device=device)]
+    state = [torch.zeros(weight.shape, device=device), torch.zeros(weight.shape, device=device)]
     (ops if use_kernels else _fallback).fused_adam_(
-        [weight], [torch.zeros(weight.shape, dtype=torch.bfloat16)], state[:1], state[1:], step, [], lr=0.0,
-        beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True, bias_correction=True,
-        inv_scale=torch.ones(1), found_inf=torch.zeros(1), remainders=[remainder], ties=[ties])
+        [weight], [torch.zeros(weight.shape, dtype=torch.bfloat16, device=device)], state[:1], state[1:], step, [],
+        lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True, bias_correction=True,
+        inv_scale=torch.ones(1, device=device), found_inf=torch.zeros(1, device=device), remainders=[remainder],
+        ties=[ties])
     expected = specials.repeat_interleave(len(stale)).repeat(4)
     assert torch.equal(weight.view(torch.int16), expected.view(torch.int16))
     joined = ops.join_masters([weight], [remainder], [ties])[0]
