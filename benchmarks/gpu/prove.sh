@@ -42,7 +42,8 @@ if [ -z "${CUDA_HOME:-}" ]; then
         export CUDA_HOME
     fi
 fi
-python=${PYTHON:-python}
+# PYTHON, else python3 (the GPU image's torch is behind python3; plain python may be absent)
+python=${PYTHON:-$(command -v python3 || command -v python || echo python)}
 
 summary=()
 failed=0
