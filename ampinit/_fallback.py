@@ -381,16 +381,30 @@ def _mix_bits(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _memory_positions(tensor: torch.Tensor) -> torch.Tensor:
+    """Each element's position in ``tensor``'s memory order (see ``_memory_order``; logical order
+    for a tensor with gaps), as an int64 tensor of its shape."""
+    positions = torch.empty(tensor.shape, dtype=torch.int64, device=tensor.device)
+    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+    permuted = tensor.permute(order)
+    if not permuted.is_contiguous():
+        order = list(range(tensor.dim()))
+        permuted = tensor
+    positions.permute(order).copy_(torch.arange(tensor.numel(), device=tensor.device).reshape(permuted.shape))
+    return positions
+
+
 def _store_state(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, stochastic: bool,
-                 step: torch.Tensor, salt: int) -> None:
+                 step: torch.Tensor, salt: int, param: torch.Tensor) -> None:
     """Store a moment: rounded to nearest even, or (bfloat16 with ``stochastic``) with the
-    kernels' deterministic stochastic rounding: 16 bits of noise from (step, salt, element
-    index) added below the kept bits, then truncated (inf/NaN to nearest)."""
+    kernels' deterministic stochastic rounding: 16 bits of noise from (step, salt, the element's
+    position in the param's memory order) added below the kept bits, then truncated (inf/NaN to
+    nearest)."""
     if not (stochastic and target.dtype == torch.bfloat16):
         _store(target, value, keep)
         return
     bits = value.detach().float().reshape(-1).contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    index = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+    index = _memory_positions(param).reshape(-1)
     seed = step.detach().reshape(()).to(torch.int64) & _MASK32
     key = (seed * 0x9E3779B9 + salt * 0x85EBCA6B) & _MASK32
     noise = _mix_bits((index & _MASK32) ^ (index >> 32) ^ key) & 0xFFFF
@@ -398,6 +412,16 @@ def _store_state(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, 
     rounded = torch.where(finite, ((bits + noise) >> 16) & 0xFFFF, _rounded_bits(bits))
     rounded = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
     _store(target, rounded.view(torch.bfloat16).reshape(target.shape), keep)
+
+
+def _check_distinct_steps(op: str, steps: Sequence[torch.Tensor]) -> None:
+    """One counter per param, as the kernels require (a shared one would advance once per row)."""
+    seen = set()
+    for i, step in enumerate(steps):
+        if step.data_ptr() in seen:
+            raise RuntimeError(f"ampinit.{op}: steps[{i}] is the counter of an earlier param too; pass one "
+                               "step tensor per param")
+        seen.add(step.data_ptr())
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr: float, beta1: float,
@@ -409,6 +433,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
     state of the param's dtype, float32 or bfloat16; see ``ops.fused_adam_``."""
     if not params:
         return
+    _check_distinct_steps("fused_adam_", steps)
     lr, beta1, beta2, eps, weight_decay = _hyper_scalars(hyper, (lr, beta1, beta2, eps, weight_decay))
     keep = _keep(found_inf)
     for i, param in enumerate(params):
@@ -429,8 +454,8 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
         denom = v.sqrt() / bias_correction2.sqrt().float() + _f32(eps)
         w = w + (-(lr / bias_correction1)).float() * m / denom
         _store_param(param, w, remainders, ties, i, keep, old)
-        _store_state(exp_avgs[i], m, keep, stochastic_state_rounding, step, 1)
-        _store_state(exp_avg_sqs[i], v, keep, stochastic_state_rounding, step, 2)
+        _store_state(exp_avgs[i], m, keep, stochastic_state_rounding, step, 1, param)
+        _store_state(exp_avg_sqs[i], v, keep, stochastic_state_rounding, step, 2, param)
         if model_params:
             _store(model_params[i], w, keep)
         steps[i].copy_(step)
@@ -443,6 +468,7 @@ def fused_sgd_(params, grads, momentum_buffers, steps, model_params, *, lr: floa
     """SGD as torch.optim.SGD computes it; see ``ops.fused_sgd_``."""
     if not params:
         return
+    _check_distinct_steps("fused_sgd_", steps)
     lr, momentum, dampening, weight_decay = _hyper_scalars(hyper, (lr, momentum, dampening, weight_decay))
     keep = _keep(found_inf)
     for i, param in enumerate(params):

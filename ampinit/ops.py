@@ -283,7 +283,8 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     of its dtype, both float32, or (float32 params) both bfloat16; all arithmetic is float32 and
     each stored value is rounded once (to nearest even).  ``grads`` may be
     any of the three dtypes.  ``model_params`` is empty, or one 16-bit copy per (float32) param
-    written in the same pass.  ``steps`` are 1-element float32 counters on the device.
+    written in the same pass.  ``steps`` are 1-element float32 counters on the device, one
+    tensor per param.
 
     When ``found_inf`` is set nothing changes, steps included: the compiled kernels decide that
     on the device, and the fallback with ``torch.where``, so no path syncs.
@@ -296,9 +297,10 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
     tie words: the kernel updates the FP32 master they make with the param and splits it again.
 
     ``stochastic_state_rounding``: bfloat16 moments are rounded stochastically (unbiased) instead
-    of to nearest, with noise that is a hash of (step, moment, element index): deterministic, the
-    same on every backend.  To nearest, ``beta2 * v`` rounds back to ``v`` for ``beta2 > 1 - 2**-9``
-    and ``exp_avg_sq`` would never decay.
+    of to nearest, with noise that is a hash of (step, moment, the element's position in the
+    param's memory order): deterministic, the same on every backend and for any strides.  To
+    nearest, ``beta2 * v`` rounds back to ``v`` for ``beta2 > 1 - 2**-9`` and ``exp_avg_sq``
+    would never decay.
     """
     if params and _use_kernels(found_inf.device, params, grads, model_params):
         torch.ops.ampinit.fused_adam_(params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),

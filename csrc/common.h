@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <utility>
+#include <unordered_set>
 #include <vector>
 
 namespace ampinit {
@@ -68,9 +69,19 @@ class DenseRows {
         direct = direct && t.is_non_overlapping_and_dense() && t.strides() == lists_[0][i].strides();
       }
       if (direct) continue;
+      // The row's tensors take the first one's layout where it is dense, else they are made
+      // contiguous: element k of every buffer is then the first tensor's k-th element in its
+      // memory order (the index the optimizers' stochastic rounding hashes, as the fallback does).
+      const at::Tensor first = lists_[0][i];
+      const bool keep_layout = first.is_non_overlapping_and_dense();
       for (size_t l = 0; l < lists_.size(); ++l) {
         at::Tensor original = lists_[l][i];
-        lists_[l][i] = original.contiguous();
+        if (!keep_layout) {
+          lists_[l][i] = original.contiguous();
+        } else if (!(original.is_non_overlapping_and_dense() && original.strides() == first.strides())) {
+          lists_[l][i] = at::empty_strided(first.sizes(), first.strides(), original.options());
+          lists_[l][i].copy_(original);
+        }
         if (written[l] && !lists_[l][i].is_same(original)) write_back_.emplace_back(original, lists_[l][i]);
       }
     }
@@ -86,8 +97,8 @@ class DenseRows {
 };
 
 // Checks shared by the optimizers: params float32/float16/bfloat16 with optimizer state of the
-// param's dtype; grads any of the three; model copies (float32 params only) 16-bit; step
-// counters 1-element float32.
+// param's dtype, float32, or (float32 params) bfloat16; grads any of the three; model copies
+// (float32 params only) 16-bit; step counters 1-element float32, one per param.
 inline void check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
                                   const std::vector<at::TensorList>& states, at::TensorList steps,
                                   at::TensorList models, const at::Device& device) {
@@ -117,6 +128,13 @@ inline void check_optimizer_lists(const char* op, at::TensorList params, at::Ten
                   ": model_params[", i, "] must be a float16/bfloat16 tensor distinct from the param");
     }
     check_flag(op, "steps[i]", steps[i], device);
+  }
+  // One counter per param: a counter shared by rows would be advanced by each row (and by racing
+  // threads on CUDA).
+  std::unordered_set<const void*> counters;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    TORCH_CHECK(counters.insert(steps[i].data_ptr()).second, "ampinit.", op, ": steps[", i,
+                "] is the counter of an earlier param too; pass one step tensor per param");
   }
 }
 

@@ -12,8 +12,9 @@
 // Stochastic rounding: rounded to nearest, a bfloat16 exp_avg_sq never decays with beta2 =
 // 0.999 (0.999 * v is within half an ulp of v and rounds back to v).  16 bits of noise added
 // below the kept bits, then truncation, round up with probability (dropped bits) / 2^16:
-// unbiased.  The noise is a hash of (step, moment, element index in the tensor), so every
-// backend, chunking and resume rounds the same element the same way.
+// unbiased.  The noise is a hash of (step, moment, element index: its position in the param's
+// memory order, DenseRows lays the row out so), so every backend, chunking and resume rounds the
+// same element the same way.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +27,9 @@
 
 namespace ampinit::bf16_bits {
 
-// The bfloat16 rounding (nearest even; c10's NaN for NaN) of a float's bits.
+// The bfloat16 rounding (nearest even; c10's CPU NaN, 0x7fc0, for NaN) of a float's bits.  NaN
+// payloads are not part of any contract: CUDA's own float -> bfloat16 conversion (the plain
+// stores of the other kernels) writes 0x7fff, and every NaN is treated alike.
 AMPINIT_BITS_FN uint32_t rounded(uint32_t bits) {
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;

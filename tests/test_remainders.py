@@ -179,14 +179,16 @@ def test_kernels_reject_remainders_they_cannot_join():
 
 # -- bfloat16 moments: torch's arithmetic, each moment rounded once per step, stochastically ---------
 
-def _stochastic_bf16(values: torch.Tensor, step: int, salt: int) -> torch.Tensor:
+def _stochastic_bf16(values: torch.Tensor, step: int, salt: int, index=None) -> torch.Tensor:
     """An independent model of the kernels' stochastic rounding, in numpy: lowbias32 of
-    (element index ^ key), 16 bits of it added below the kept bits, truncated."""
+    (element index ^ key), 16 bits of it added below the kept bits, truncated.  ``index``: each
+    element's index (default: its logical position)."""
     import numpy as np
     mask = np.uint64(0xFFFFFFFF)
-    bits = values.float().contiguous().view(torch.int32).numpy().astype(np.int64).astype(np.uint64) & mask
+    bits = values.float().reshape(-1).contiguous().view(torch.int32).numpy().astype(np.int64).astype(np.uint64) & mask
     key = (np.uint64(step) * np.uint64(0x9E3779B9) + np.uint64(salt) * np.uint64(0x85EBCA6B)) & mask
-    x = np.arange(bits.size, dtype=np.uint64) ^ key
+    x = np.arange(bits.size, dtype=np.uint64) if index is None else index.reshape(-1).numpy().astype(np.uint64)
+    x = x ^ key
     x ^= x >> np.uint64(16)
     x = (x * np.uint64(0x7FEB352D)) & mask
     x ^= x >> np.uint64(15)
@@ -628,6 +630,75 @@ def test_stochastic_rounding_of_moments_is_bitwise_the_documented_hash(use_kerne
         assert torch.equal(state["exp_avg"].view(torch.int16), _stochastic_bf16(grad, step, 1).view(torch.int16))
         assert torch.equal(state["exp_avg_sq"].view(torch.int16),
                            _stochastic_bf16(grad * grad, step, 2).view(torch.int16))
+
+
+def _memory_positions(tensor):
+    """Each element's position in memory (an independent model: strides and storage offset)."""
+    index = torch.zeros(tensor.shape, dtype=torch.int64)
+    for dim, stride in enumerate(tensor.stride()):
+        shape = [1] * tensor.dim()
+        shape[dim] = tensor.shape[dim]
+        index = index + torch.arange(tensor.shape[dim]).reshape(shape) * stride
+    return index
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "grad_contiguous", "gaps"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_hashes_the_position_in_the_params_memory_order(layout, device, monkeypatch):
+    """Kernels and fallback round each moment element by its position in the param's memory
+    order, bit for bit the numpy model's: a channels_last or transposed param, one whose
+    gradient is laid out otherwise (the kernels copy the row into the param's layout), and a
+    param with gaps (read as its contiguous copy: logical order)."""
+    _kernels_or_skip(device, True)
+    generator = torch.Generator().manual_seed(13)
+    if layout == "transposed":
+        values = torch.randn(40, 48, generator=generator).t()
+    elif layout == "gaps":
+        values = torch.randn(24, 70, generator=generator)[:, ::2]
+    else:
+        values = torch.randn(8, 16, 3, 3, generator=generator).to(memory_format=torch.channels_last)
+    grads = [torch.randn(values.shape, generator=generator) * 3 for _ in range(2)]
+    if layout == "gaps":  # the contiguous copy: positions in logical order
+        positions = torch.arange(values.numel()).reshape(values.shape)
+    else:
+        positions = _memory_positions(values)
+        assert not torch.equal(positions.reshape(-1), torch.arange(values.numel()))
+    for use_kernels in (True, False):
+        monkeypatch.setattr(ops, "_use_kernels", ops._use_kernels if use_kernels else (lambda *args: False))
+        param = nn.Parameter(values.to(device))  # keeps the strides (.to of a view keeps its layout)
+        assert param.stride() == values.stride() or layout == "gaps"
+        opt = FusedAdamW([param], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, state_dtype=torch.bfloat16)
+        for step, grad in enumerate(grads, start=1):
+            grad = grad.contiguous() if layout == "grad_contiguous" else torch.empty_like(param).copy_(grad)
+            param.grad = grad.to(device)
+            opt.step()
+            state = opt.state[param]
+            what = f"{'kernels' if use_kernels else 'fallback'} step {step}"
+            for key, moment, salt in (("exp_avg", grad, 1), ("exp_avg_sq", grad * grad, 2)):
+                expected = _stochastic_bf16(moment.cpu().contiguous(), step, salt, positions).reshape(values.shape)
+                _assert_bitwise(state[key].cpu(), expected, f"{what} {key}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_optimizers_reject_a_step_counter_shared_by_two_params(device):
+    """A shared counter would be advanced once per row (racing on CUDA): a clear error, before
+    anything changes, on every backend."""
+    for use_kernels in (True, False):
+        _kernels_or_skip(device, use_kernels)
+        call = ops if use_kernels else _fallback
+        params = [torch.ones(3, device=device), torch.ones(5, device=device)]
+        grads = [torch.ones_like(p) for p in params]
+        shared = torch.zeros((), device=device)
+        flags = dict(inv_scale=torch.ones(1, device=device), found_inf=torch.zeros(1, device=device))
+        with pytest.raises(RuntimeError, match="one step tensor per param"):
+            call.fused_adam_(params, grads, [torch.zeros_like(p) for p in params],
+                             [torch.zeros_like(p) for p in params], [shared, shared], [], lr=0.1, beta1=0.9,
+                             beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                             bias_correction=True, **flags)
+        with pytest.raises(RuntimeError, match="one step tensor per param"):
+            call.fused_sgd_(params, grads, [], [shared, shared], [], lr=0.1, momentum=0.0, dampening=0.0,
+                            weight_decay=0.0, nesterov=False, **flags)
+        assert float(shared) == 0.0 and all(torch.equal(p, torch.ones_like(p)) for p in params)
 
 
 # -- what the second review found ---------------------------------------------------------------------
