@@ -9,9 +9,10 @@
 # 2. runs every CUDA test (pytest -m cuda: the device-parametrized tests' cuda cases and the
 #    tests/test_cuda_*.py files), with the CUDA kernels required;
 # 3. runs the GPU benchmarks (benchmarks/gpu/bench_*.py), each writing JSON and markdown;
-# 4. if time is left, benchmarks/bench_memory.py on the GPU (bytes per parameter, peak memory and
-#    step time of every precision recipe, remainder masters and bf16 moments included: #12's
-#    table measured on CUDA).  Optional: skipping it for lack of time is not a failure.
+# 4. if time is left, benchmarks/bench_fingerprint.py (the write detection's CUDA kernel against
+#    torch's snapshot + equal) and benchmarks/bench_memory.py on the GPU (bytes per parameter,
+#    peak memory and step time of every precision recipe, remainder masters and bf16 moments
+#    included: #12's table measured on CUDA).  Optional: skipped or timed out is not a failure.
 #
 # Everything goes under OUTDIR: one log per stage, junit XML of the tests, the benchmarks'
 # JSON/markdown, and summary.md (also printed) with each stage's exit status and duration.
@@ -106,6 +107,7 @@ done
 
 # Optional (see 4. above): skipped without failing when the deadline is near.
 optional=1
+stage bench_fingerprint "${PROVE_FINGERPRINT_TIMEOUT:-60}" "$python" benchmarks/bench_fingerprint.py --device cuda
 stage bench_memory "${PROVE_MEMORY_TIMEOUT:-150}" "$python" benchmarks/bench_memory.py --device cuda \
     --batch 8 --seq 1024 --warmup 3 --steps 5
 optional=0
@@ -125,7 +127,9 @@ optional=0
     for bench in grad_path many_small fused_adam o2_step gpt2; do
         [ -f "$out/$bench.md" ] && cat "$out/$bench.md" && echo
     done
-    grep -q '^| ' "$out/bench_memory.log" 2>/dev/null && sed -n '/^## /,$p' "$out/bench_memory.log"
+    for extra in bench_fingerprint bench_memory; do
+        grep -q '^| ' "$out/$extra.log" 2>/dev/null && sed -n '/^## /,$p' "$out/$extra.log" && echo
+    done
 } >"$out/summary.md"
 echo
 cat "$out/summary.md"
