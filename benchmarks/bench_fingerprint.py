@@ -15,7 +15,7 @@ script times one such cycle (mark + check) over the 16-bit weights of a GPT-2-sm
 Extra memory is the high-water mark during the timed cycles above what was allocated before
 them: ``VmHWM`` (reset through ``/proc/self/clear_refs``) on CPU, ``max_memory_allocated`` on CUDA.
 
-    python benchmarks/bench_fingerprint.py [--device cpu|cuda] [--dtype float16|bfloat16] [--repeats 5]
+    python benchmarks/bench_fingerprint.py [--device cpu|cuda] [--dtype float16|bfloat16] [--repeats 5] [--quick]
 """
 
 import argparse
@@ -28,9 +28,10 @@ from ampinit import _fallback, ops
 WIDTH, LAYERS, VOCAB, CONTEXT = 768, 12, 50257, 1024
 
 
-def gpt2_shapes():
-    shapes = [(VOCAB, WIDTH), (CONTEXT, WIDTH)]
-    for _ in range(LAYERS):
+def gpt2_shapes(quick=False):
+    vocab, layers = (512, 1) if quick else (VOCAB, LAYERS)
+    shapes = [(vocab, WIDTH), (CONTEXT, WIDTH)]
+    for _ in range(layers):
         shapes += [(WIDTH,), (WIDTH,), (3 * WIDTH, WIDTH), (3 * WIDTH,), (WIDTH, WIDTH), (WIDTH,),
                    (WIDTH,), (WIDTH,), (4 * WIDTH, WIDTH), (4 * WIDTH,), (WIDTH, 4 * WIDTH), (WIDTH,)]
     return shapes + [(WIDTH,), (WIDTH,)]
@@ -87,13 +88,15 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="one layer, a 512-word vocabulary: a smoke test")
     args = parser.parse_args()
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(shape, generator=g).to(getattr(torch, args.dtype)).to(device) for shape in gpt2_shapes()]
+    dtype = getattr(torch, args.dtype)
+    tensors = [torch.randn(shape, generator=g).to(dtype).to(device) for shape in gpt2_shapes(args.quick)]
     n = sum(t.numel() for t in tensors)
     print(f"## {device.type}: one write-detection cycle (mark + check) over {len(tensors)} {args.dtype} tensors, "
-          f"{n:,} elements (GPT-2 small), median of {args.repeats}\n")
+          f"{n:,} elements ({'--quick' if args.quick else 'GPT-2 small'}), median of {args.repeats}\n")
     for line in environment(device):
         print(f"- {line}")
     print("\n| method | ms per cycle | vs torch snapshot + equal | extra memory MiB |")
