@@ -131,11 +131,16 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
                 f"master_weights='remainder' keeps FP32 masters as bfloat16 weights plus remainders, which only "
                 f"ampinit's fused optimizers update (ampinit.optim.FusedAdam, FusedAdamW, FusedSGD, or apex's "
                 f"names for them); got {type(opt).__name__}.  Use one of those, or master_weights=True")
+        mine = set()
         for group in opt.param_groups:
             for param in group["params"]:
+                if id(param) in mine:
+                    raise ValueError(f"{type(opt).__name__} lists a parameter twice in its param_groups (torch.optim "
+                                     "only warns, and updates it once per listing); list each parameter once")
                 if id(param) in seen:
                     raise ValueError("a parameter is in two of the optimizers passed to "
                                      "initialize; give each parameter to one optimizer")
+                mine.add(id(param))
                 seen.add(id(param))
                 if param.device != device:
                     raise ValueError(f"an optimizer parameter is on {param.device} but the model "

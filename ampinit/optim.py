@@ -120,23 +120,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         scaled_grads = scaled_grads or {}
         model_of = model_of or {}
         remainders = remainders or {}
-        self._check_update([p for group in self.param_groups for p in group["params"]
-                            if p in scaled_grads or p.grad is not None])
-        for group in self.param_groups:
+        work = self._gradients(scaled_grads)  # every check before any group is updated
+        for group, rows in zip(self.param_groups, work):
             calls: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = {}
-            for param in group["params"]:
-                grad = scaled_grads.get(param)
-                scaled = grad is not None
-                if grad is None:
-                    grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
-                                       "use torch.optim.SparseAdam for sparse embeddings")
-                if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                    raise TypeError(f"{type(self).__name__} updates float32, float16 and bfloat16 params; got a "
-                                    f"{param.dtype} param. Use the torch.optim optimizer for it")
+            for param, grad, scaled in rows:
                 model = model_of.get(param)
                 parts = remainders.get(param)
                 key = (param.device, scaled, model is not None, parts is not None)
@@ -153,6 +140,37 @@ class _FusedOptimizer(torch.optim.Optimizer):
                              inv_scale if scaled else unit_inv,
                              found_inf if found_inf is not None else zero_found,
                              [r for r, _ in rests], [t for _, t in rests])
+
+    def _gradients(self, scaled_grads: Dict[torch.Tensor, torch.Tensor]) \
+            -> List[List[Tuple[torch.Tensor, torch.Tensor, bool]]]:
+        """Per group, ``(param, grad, scaled)`` of each param with a gradient (``scaled_grads[p]``
+        before ``p.grad``), every param checked first: a clear error leaves every group as it was."""
+        work, seen = [], {}
+        for g, group in enumerate(self.param_groups):
+            rows = []
+            for i, param in enumerate(group["params"]):
+                if param in seen:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: param_groups[{g}]['params'][{i}] is the same parameter as "
+                        f"param_groups[{seen[param][0]}]['params'][{seen[param][1]}]; torch.optim would update it "
+                        "once per listing, the fused kernels once per step: list each parameter once")
+                seen[param] = (g, i)
+                grad = scaled_grads.get(param)
+                scaled = grad is not None
+                if grad is None:
+                    grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
+                                       "use torch.optim.SparseAdam for sparse embeddings")
+                if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"{type(self).__name__} updates float32, float16 and bfloat16 params; got a "
+                                    f"{param.dtype} param. Use the torch.optim optimizer for it")
+                rows.append((param, grad, scaled))
+            work.append(rows)
+        self._check_update([param for rows in work for param, _, _ in rows])
+        return work
 
     def _check_update(self, params: List[torch.Tensor]) -> None:
         """Raise for a param these kernels cannot update, before any param is updated."""
@@ -294,7 +312,8 @@ class FusedAdam(_FusedOptimizer):
             parameter instead of 8): each step reads them into float32, computes as usual and
             rounds them once, stochastically (unbiased; the noise is a hash of the step, the
             moment and the element's position in the param's memory order, so a run, its resume
-            and every backend round the same way).  To
+            and every backend round the same way; a resume with another memory format rounds
+            differently from there on).  To
             nearest, ``0.999 * exp_avg_sq`` would round back to itself and never decay.
             ``None`` (default): the master's dtype (float32 under ``initialize`` at O2/O5, the
             param's otherwise).  ``state_dict()`` saves them in bfloat16;

@@ -151,3 +151,17 @@ def test_module_level_calls_before_any_initialize_in_a_fresh_process():
             "    try:\n        call()\n    except RuntimeError as e:\n        print('RuntimeError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.count("RuntimeError: no live ampinit initialization: call ampinit.initialize first") == 3
+
+
+def test_a_parameter_listed_twice_is_named_for_what_it_is():
+    """Twice in one optimizer's groups and once in each of two optimizers are two mistakes, each
+    with its own message; nothing is cast."""
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match="duplicate"):  # torch.optim's own warning
+        twice = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias, model.bias]}], lr=0.1)
+    with pytest.raises(ValueError, match="lists a parameter twice in its param_groups"):
+        amp.initialize(model, twice, opt_level="O2", verbosity=0)
+    first, second = torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="in two of the optimizers"):
+        amp.initialize(model, [first, second], opt_level="O2", verbosity=0)
+    assert model.weight.dtype == torch.float32

@@ -578,3 +578,35 @@ def test_capturable_matches_eager_and_follows_the_scheduler(make, device):
     assert lr_tensor.device.type == torch.device(device).type and float(lr_tensor) == opt_e.param_groups[0]["lr"]
     for a, b in zip(eager, capt):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [lambda groups: FusedAdamW(groups, lr=0.1), lambda groups: FusedSGD(groups, lr=0.1)],
+                         ids=["adamw", "sgd"])
+@pytest.mark.parametrize("where", ["same group", "after construction"])
+def test_a_parameter_listed_twice_is_refused_before_any_update(make, where):
+    """torch.optim warns and updates such a parameter once per listing; the fused kernels would
+    update it once: a clear error naming both places, with every group and state untouched (a
+    group before the duplicate included), and no other check may fire after an update either."""
+    first, shared = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    if where == "same group":
+        with pytest.warns(UserWarning, match="duplicate"):
+            opt = make([{"params": [first]}, {"params": [shared, shared]}])
+    else:
+        opt = make([{"params": [first]}, {"params": [shared]}])
+        opt.param_groups[1]["params"].append(shared)
+    first.grad, shared.grad = torch.ones(3), torch.ones(4)
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[1\] is the same parameter as "
+                                           r"param_groups\[1\]\['params'\]\[0\]"):
+        opt.step()
+    assert torch.equal(first, torch.ones(3)) and torch.equal(shared, torch.ones(4))
+    assert not opt.state[first] and not opt.state[shared]
+
+
+def test_a_later_groups_sparse_gradient_is_refused_before_any_update():
+    first, embedding = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(5, 2))
+    opt = FusedAdamW([{"params": [first]}, {"params": [embedding]}], lr=0.1)
+    first.grad = torch.ones(3)
+    embedding.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 2), (5, 2))
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(first, torch.ones(3)) and not opt.state[first]
