@@ -192,8 +192,18 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
 _FINGERPRINT_SLICE = 1 << 20  # elements per pass: the int64 temporaries stay at a few MiB
 
 
+def _mix_bits(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' lowbias32 hash of uint32 values held in int64 (the kernels' ``bf16_bits::mix``)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
 def fingerprint(inputs: Tensors) -> torch.Tensor:
-    """See ``ampinit.ops.fingerprint`` (int64 arithmetic wraps mod 2**64, a multiple of 2**32)."""
+    """See ``ampinit.ops.fingerprint``: the sum of ``mix(bits ^ (index * 0x9E3779B9))`` mod 2**32
+    (``fingerprint_bits::term`` in ``csrc/master_bits.h``), in int64 held below 2**32."""
     out = []
     for tensor in inputs:
         flat = _memory_order(tensor.detach()).view(_BITS[tensor.element_size()])
@@ -201,8 +211,8 @@ def fingerprint(inputs: Tensors) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.int64, device=tensor.device)
         for start in range(0, flat.numel(), _FINGERPRINT_SLICE):
             bits = flat[start:start + _FINGERPRINT_SLICE].to(torch.int64) & unsigned
-            weights = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1
-            total += (((bits + 1) * weights) & _MASK32).sum()
+            index = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
+            total += _mix_bits(bits ^ ((index * 0x9E3779B9) & _MASK32)).sum()
         out.append(total & _MASK32)
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
 
@@ -367,18 +377,6 @@ def _store_param(param: torch.Tensor, value: torch.Tensor, remainders, ties, i: 
         split_master_(param, remainders[i], ties[i], torch.where(keep, value, old))
     else:
         _store(param, value, keep)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix_bits(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' lowbias32 hash of uint32 values held in int64 (the kernels' ``mix_bits``)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
 
 
 def _memory_positions(tensor: torch.Tensor) -> torch.Tensor:

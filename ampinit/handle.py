@@ -281,6 +281,8 @@ class AmpHandle:
         """See :func:`ampinit.scale_loss`.  No host synchronisation."""
         self.check_not_ended()
         scaler = self.loss_scalers[self._check_loss_id(loss_id)]
+        if self.masters is not None and self.masters.has_remainders:
+            self.masters.check_remainder_layout()  # before the backward: the step could not update them
         flows = [binding.flow for binding in bindings]
         for flow in flows:
             if flow.in_scale_loss:

@@ -35,7 +35,7 @@ splits the loaded one.  ``amp.master_params`` yields the bfloat16 parameters the
 keeps its remainder where the written weight is finite and still the rounding of weight +
 remainder: the master is then within half a bfloat16 ulp of the written value; elsewhere (a
 weight zeroed, sign-flipped or set to inf) the master is the written value itself (an FP32
-master takes the written value exactly in both cases).
+master takes the written value exactly wherever the write changed the 16-bit weight).
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks
@@ -53,6 +53,21 @@ from torch import nn
 from . import ops
 
 __all__ = ["MasterWeights"]
+
+
+def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
+    """What an in-place write (version counter), new storage (address) or a re-strided view of
+    the same storage (``p.data = p.data.t()``: strides) changes; ``.data`` writes into the same
+    storage change none of these, only the fingerprint."""
+    return tensor._version, tensor.data_ptr(), tensor.stride()
+
+
+def _joined(weight: torch.Tensor, parts: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The FP32 master of a bfloat16 weight kept with remainders, in the weight's layout.  A
+    weight whose memory format changed since ``initialize`` (channels_last) keeps remainders in
+    the element order it had then, which its contiguous copy has: read through that copy."""
+    joined = ops.join_masters([weight.detach().contiguous()], [parts[0]], [parts[1]])[0]
+    return joined if weight.is_contiguous() else torch.empty_like(weight, dtype=joined.dtype).copy_(joined)
 
 
 def _distributed_world() -> bool:
@@ -76,8 +91,8 @@ class MasterWeights:
         self._cast_dtype = dict(cast_dtypes)
         self._names = names
         self._compared_once = False
-        # model tensor -> (version, data_ptr, fingerprint) when ampinit last wrote or read it
-        self._marks: Dict[torch.Tensor, Tuple[int, int, torch.Tensor]] = {}
+        # model tensor -> ((version, data_ptr, strides), fingerprint) when ampinit last wrote or read it
+        self._marks: Dict[torch.Tensor, Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]] = {}
         self._loaded = False
         # model parameter -> (int16 remainders, int32 tie words): masters kept as remainders
         self._remainders: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -122,7 +137,7 @@ class MasterWeights:
         master kept as remainders: the joined value, a new tensor (writes to it change nothing)."""
         parts = self._remainders.get(tensor)
         if parts is not None:
-            return ops.join_masters([tensor], [parts[0]], [parts[1]])[0]
+            return _joined(tensor, parts)
         return self._value.get(tensor)
 
     def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -225,11 +240,11 @@ class MasterWeights:
         self.check_model(tensors)
         self._adopt_written(tensors)
 
-    def check_remainder_layout(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Raise a clear error if a parameter kept with remainders stopped being contiguous
-        (``model.to(memory_format=torch.channels_last)`` after ``initialize``): its remainders
-        and tie bits follow the element order it had then."""
-        for tensor in tensors:
+    def check_remainder_layout(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Raise a clear error if a parameter kept with remainders (these ``tensors``, default:
+        all) stopped being contiguous (``model.to(memory_format=torch.channels_last)`` after
+        ``initialize``): the kernels update it in place, in the element order it had then."""
+        for tensor in self._remainders if tensors is None else tensors:
             if not tensor.is_contiguous():
                 raise RuntimeError(
                     f"{self._names.get(tensor, 'a parameter')} keeps its FP32 master as bfloat16 weight + "
@@ -254,6 +269,7 @@ class MasterWeights:
             return
         with torch.no_grad():
             if parts is not None:
+                self.check_remainder_layout([tensor])
                 ops.split_masters_([tensor], [parts[0]], [parts[1]], [value.to(tensor.device)])
             else:
                 master.copy_(value)
@@ -272,16 +288,15 @@ class MasterWeights:
             return
         now = ops.fingerprint(tensors)
         never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
-        then = torch.stack([self._marks[t][2] if self._stamp_holds(t) else never for t in tensors])
+        then = torch.stack([self._marks[t][1] if self._stamp_holds(t) else never for t in tensors])
         with torch.no_grad():
             ops.adopt_changes_([self._value[t] for t in tensors], tensors, only=now.ne(then).float())
         self._set_marks(tensors, now)
 
     def _stamp_holds(self, tensor: torch.Tensor) -> bool:
-        """Marked, with the version counter and storage it had then (in-place writes and new
-        storage change these; ``.data`` writes show only in the fingerprint)."""
+        """Marked, with the version counter, storage and strides it had then (see ``_stamp``)."""
         mark = self._marks.get(tensor)
-        return mark is not None and mark[:2] == (tensor._version, tensor.data_ptr())
+        return mark is not None and mark[0] == _stamp(tensor)
 
     def _adopt(self, tensors: List[torch.Tensor]) -> None:
         if tensors:
@@ -296,7 +311,7 @@ class MasterWeights:
 
     def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor) -> None:
         for tensor, fingerprint in zip(tensors, fingerprints):
-            self._marks[tensor] = (tensor._version, tensor.data_ptr(), fingerprint)
+            self._marks[tensor] = (_stamp(tensor), fingerprint)
 
     # -- masters -> model ------------------------------------------------------------------------
     def copy_to_model(self, masters: List[torch.Tensor]) -> None:
@@ -318,9 +333,9 @@ class MasterWeights:
         with torch.no_grad():
             for tensor, value in self._value.items():
                 tensor.data = value.data
-            for tensor, (remainder, ties) in self._remainders.items():
-                if tensor.dtype == torch.bfloat16 and tensor.device == remainder.device:
-                    tensor.data = ops.join_masters([tensor.data], [remainder], [ties])[0]
+            for tensor, parts in self._remainders.items():
+                if tensor.dtype == torch.bfloat16 and tensor.device == parts[0].device:
+                    tensor.data = _joined(tensor.data, parts)
         self._value.clear()
         self._remainders.clear()
         self._model_of.clear()

@@ -228,11 +228,14 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
 
 def fingerprint(inputs: Tensors) -> torch.Tensor:
     """One int64 per tensor (in [0, 2**32)): the sum over its elements of
-    ``(bits + 1) * (2 * index + 1)`` mod 2**32, the bits read as an unsigned 16- or 32-bit
-    integer and ``index`` counted in memory order (a dense tensor is read where it lies, whatever
-    its strides; one with gaps or overlaps as its contiguous copy).  Any change to one element
-    changes it (the weights are odd), so it tells a tensor written since it was taken, through
-    ``.data`` included, at 2 or 4 bytes read per element.  On the device of the inputs.  No sync;
+    ``mix(bits ^ (index * 0x9E3779B9))`` mod 2**32, ``mix`` the lowbias32 integer hash, the bits
+    read as an unsigned 16- or 32-bit integer and ``index`` counted in memory order (a dense
+    tensor is read where it lies, whatever its strides; one with gaps or overlaps as its
+    contiguous copy).  Any change to one element changes it (each term is a bijection of the
+    bits), and the hash is not linear, so neither does a change of every element by one amount
+    (``w.mul_(0.5)``) cancel out; other changes go unseen with odds of about 2**-32.  It tells
+    a tensor written since it was taken, through ``.data`` included, at 2 or 4 bytes read per
+    element.  On the device of the inputs.  No sync;
     safe to capture in a CUDA graph."""
     inputs = list(inputs)
     if not inputs:

@@ -1,5 +1,6 @@
 // The bit formats that the CPU and CUDA kernels (and ampinit/_fallback.py) must agree on bit for
-// bit, written once for both: remainder masters and the stochastic rounding of bfloat16 moments.
+// bit, written once for both: remainder masters, the stochastic rounding of bfloat16 moments and
+// the terms of ops.fingerprint.
 //
 // Remainder masters: an FP32 master kept as its bfloat16 rounding (the model's weight) plus an
 // int16 remainder: bits(master) = (bits(weight) << 16) + remainder (+ 0x10000 when the tie bit
@@ -85,3 +86,14 @@ AMPINIT_BITS_FN uint16_t stochastic_at(uint32_t bits, uint32_t key, int64_t inde
 }
 
 }  // namespace ampinit::bf16_bits
+
+namespace ampinit::fingerprint_bits {
+
+// One element's term of ops.fingerprint (the sum of the terms mod 2^32): for each index a
+// bijection of the element's bits, so one changed element always changes the sum, and not
+// linear in them, so changing every element by one amount does not cancel out (in a sum of
+// (bits + 1) * (2 * index + 1), halving every weight of a 1024 x 1024 tensor changes it by a
+// multiple of n^2 = 2^40: not at all).  Indices past 2^32 wrap.
+AMPINIT_BITS_FN uint32_t term(uint32_t bits, uint32_t index) { return bf16_bits::mix(bits ^ (index * 0x9e3779b9u)); }
+
+}  // namespace ampinit::fingerprint_bits

@@ -409,9 +409,9 @@ def test_l2norm_squares_in_double(dtype, value, device):
 
 
 def _fingerprint_reference(tensor):
-    """``ops.fingerprint``'s formula with numpy's wrapping uint64 arithmetic (2**64 is a
-    multiple of 2**32), on the elements in memory order: read from the storage for a dense
-    tensor, from the contiguous copy for one with gaps."""
+    """``ops.fingerprint``'s formula in numpy's wrapping uint32 arithmetic, on the elements in
+    memory order: read from the storage for a dense tensor, from the contiguous copy for one with
+    gaps."""
     strides_sorted = sorted(zip(tensor.stride(), tensor.shape), reverse=True)
     expected_stride, dense = 1, True
     for stride, size in reversed(strides_sorted):
@@ -421,10 +421,15 @@ def _fingerprint_reference(tensor):
     flat = (torch.as_strided(tensor, (tensor.numel(),), (1,)) if dense else tensor.contiguous().reshape(-1))
     unsigned = {2: np.uint16, 4: np.uint32}[tensor.element_size()]
     bits = flat.cpu().contiguous().view({2: torch.int16, 4: torch.int32}[tensor.element_size()]).numpy()
-    bits = bits.view(unsigned).astype(np.uint64)
-    weights = np.arange(bits.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        return int(((bits + np.uint64(1)) * weights).sum(dtype=np.uint64) & np.uint64(0xFFFFFFFF))
+    keys = (np.arange(bits.size, dtype=np.uint64) * np.uint64(0x9E3779B9)).astype(np.uint32)  # mod 2**32
+    x = bits.view(unsigned).astype(np.uint32) ^ keys
+    with np.errstate(over="ignore"):  # lowbias32, in wrapping uint32
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> np.uint32(16)
+    return int(x.sum(dtype=np.uint64) & np.uint64(0xFFFFFFFF))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

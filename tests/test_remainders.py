@@ -744,18 +744,33 @@ def test_the_fallback_keeps_an_inf_weight_inf_without_weight_decay():
         assert torch.isinf(param[0]) and float(param[1]) < 1.0, call
 
 
-def test_changing_the_memory_format_after_initialize_raises_before_the_step():
+def test_changing_the_memory_format_after_initialize_raises_before_the_backward():
+    """The kernels update remainder params in place, in the order they had at initialize: a
+    clear error at scale_loss, before the scaler, the model or the optimizer changes; reading the
+    FP32 values (state_dict, end) still works through the weights' contiguous copies."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
     model, opt = amp.initialize(model, FusedAdamW(model.parameters()), opt_level="O5", master_weights="remainder",
                                 verbosity=0)
-    model.to(memory_format=torch.channels_last)
-    loss = model(torch.randn(2, 3, 8, 8)).float().sum()
-    with amp.scale_loss(loss, opt) as scaled:
+    x = torch.randn(2, 3, 8, 8)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
         scaled.backward()
+    opt.step()
+    expected = {name: value.clone() for name, value in model.state_dict().items()}
+    scaler = amp.state_dict()
+    model.to(memory_format=torch.channels_last)
     before = [p.detach().clone() for p in model.parameters()]
+    loss = model(x).float().sum()
     with pytest.raises(RuntimeError, match="memory format was changed after initialize"):
-        opt.step()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert amp.state_dict() == scaler
+    got = model.state_dict()
+    assert all(torch.equal(got[name], value) for name, value in expected.items())
+    assert got["0.weight"].is_contiguous(memory_format=torch.channels_last)
+    amp.end(model)
+    assert all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
 
 
 def test_a_user_cast_channels_last_bf16_parameter_is_named_in_the_warning(caplog):

@@ -826,3 +826,59 @@ def test_complex_parameters_train(level, scale):
         return model.weight.detach().clone()
 
     torch.testing.assert_close(run(True), run(False), rtol=2e-2, atol=2e-3)
+
+
+# -- writes through .data that the write detection must see (hostile review of the fingerprint) --
+
+def _write_cases():
+    def halve(p):  # every element's bits move by one amount: a linear checksum cancels it out
+        p.data.mul_(0.5)
+
+    def fill(p):
+        p.data.fill_(2.0)
+
+    def negate(p):
+        p.data.neg_()
+
+    def transpose(p):  # same storage, bytes and version: only the strides change
+        p.data = p.data.t()
+
+    return {"halve_1024x1024": (lambda: nn.Linear(1024, 1024, bias=False), halve),
+            "fill_zero_bias_512": (lambda: nn.Linear(4, 512), fill),
+            "negate_ones_32x32": (lambda: nn.Linear(32, 32, bias=False).requires_grad_(False).apply(
+                lambda m: nn.init.ones_(m.weight) if hasattr(m, "weight") else None).requires_grad_(True), negate),
+            "scale_layernorm_8192": (lambda: nn.LayerNorm(8192), halve),
+            "transpose_square": (lambda: nn.Linear(64, 64, bias=False), transpose)}
+
+
+@pytest.mark.parametrize("level", MASTER_LEVELS)
+@pytest.mark.parametrize("case", sorted(_write_cases()))
+def test_structured_data_writes_to_the_model_are_adopted(level, case):
+    """FP32 PyTorch keeps each of these writes; so must the masters: after a step with lr 0 the
+    model still holds what was written, and ``model.state_dict()`` has the written value wherever
+    the write changed the 16-bit weight."""
+    make_model, write = _write_cases()[case]
+    torch.manual_seed(0)
+    model = make_model()
+    if case == "fill_zero_bias_512":
+        nn.init.zeros_(model.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=1.0, verbosity=0)
+    param = max(model.parameters(), key=lambda p: p.numel()) if case != "fill_zero_bias_512" else model.bias
+    name = next(n for n, p in model.named_parameters() if p is param)
+    width = next(p for p in model.parameters()).shape[-1]
+    for step in range(3):
+        if step == 1:
+            before = param.detach().clone()
+            write(param)
+            written = param.detach().clone()
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(step)).to(param.dtype)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as loss:
+            loss.backward()
+        opt.step()
+    assert torch.equal(param.detach(), written), "the step overwrote the write with the old master"
+    value = model.state_dict()[name]
+    changed = written != before  # where the write left the 16-bit value alone, the master keeps its digits
+    assert changed.any() and torch.equal(value[changed], written[changed].float())
+    assert torch.equal(value.to(written.dtype), written)

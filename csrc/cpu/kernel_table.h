@@ -64,8 +64,8 @@ struct KernelTable {
   bool (*check)(c10::ScalarType in, const void* x, int64_t n);
   // master = model wherever model != master rounded to model_type (a write to the model adopted).
   void (*adopt)(c10::ScalarType model_type, const void* model, float* master, int64_t n);
-  // sum over j of (bits(x[j]) + 1) * (2 * (base + j) + 1), mod 2^32: bits are the unsigned
-  // element (2 or 4 bytes).  Any single changed element changes it (the weight is odd).
+  // sum over j of fingerprint_bits::term(bits(x[j]), base + j), mod 2^32: bits are the unsigned
+  // element (2 or 4 bytes).  Any single changed element changes it (each term is a bijection).
   uint32_t (*fingerprint)(int64_t element_size, const void* x, int64_t n, int64_t base);
   // Sum of squares, each square and the sum in double.
   double (*sum_of_squares)(c10::ScalarType in, const void* x, int64_t n);

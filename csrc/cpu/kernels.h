@@ -182,13 +182,14 @@ void adopt(const Model* model, float* master, int64_t n) {
   });
 }
 
-// See KernelTable::fingerprint.  Unsigned arithmetic wraps, so the compiler may vectorize the sum.
+// See KernelTable::fingerprint (the terms: master_bits.h).  Unsigned arithmetic wraps, so the
+// compiler may vectorize the sum.
 template <typename Bits>
 uint32_t fingerprint(const Bits* x, int64_t n, int64_t base) {
-  const uint32_t first_weight = 2u * static_cast<uint32_t>(base) + 1u;
+  const uint32_t first = static_cast<uint32_t>(base);
   uint32_t sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    sum += (static_cast<uint32_t>(x[j]) + 1u) * (first_weight + 2u * static_cast<uint32_t>(j));
+    sum += fingerprint_bits::term(static_cast<uint32_t>(x[j]), first + static_cast<uint32_t>(j));
   }
   return sum;
 }

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../master_bits.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
 
@@ -207,9 +208,9 @@ __device__ T block_sum(T value) {
 }
 
 // Each block's share of its tensor's fingerprint (see ops.fingerprint): the sum over its chunk
-// of (bits + 1) * (2 * index + 1), in uint32 arithmetic, which wraps mod 2**32 as the contract
-// does, added to the tensor's sum with a wrapping atomicAdd: integer sums in any order agree,
-// so the result is deterministic.  The elements are read as raw bits, never converted.
+// of fingerprint_bits::term(bits, index) in uint32 arithmetic, which wraps mod 2**32 as the
+// contract does, added to the tensor's sum with a wrapping atomicAdd: integer sums in any order
+// agree, so the result is deterministic.  The elements are read as raw bits, never converted.
 template <typename In>
 struct FingerprintFunctor {
   uint32_t* sums;
@@ -220,7 +221,7 @@ struct FingerprintFunctor {
     const Bits* x_ptr = static_cast<const Bits*>(meta.addresses[0][t]) + range.start;
     const int head = head_to_align(x_ptr);
     const ArrayRef<const Bits> x(x_ptr, head);
-    const uint32_t first_weight = 2u * static_cast<uint32_t>(range.start) + 1u;
+    const uint32_t first = static_cast<uint32_t>(range.start);
     uint32_t sum = 0;
     Bits v[kUnroll][kILP];
     for_each_pack(
@@ -238,7 +239,7 @@ struct FingerprintFunctor {
 #pragma unroll
           for (int k = 0; k < kILP; ++k) {
             if (k < count) {
-              sum += (static_cast<uint32_t>(v[u][k]) + 1u) * (first_weight + 2u * static_cast<uint32_t>(i + k));
+              sum += fingerprint_bits::term(v[u][k], first + static_cast<uint32_t>(i + k));
             }
           }
         });
