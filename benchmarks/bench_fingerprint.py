@@ -37,11 +37,19 @@ def gpt2_shapes(quick=False):
     return shapes + [(WIDTH,), (WIDTH,)]
 
 
-def allocated(device):
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+def _status_bytes(field):
+    """A field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+
+def allocated(device):
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_bytes("VmRSS")
+
+
+def peak(device):
+    """The high-water mark since :func:`reset_peak`."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_bytes("VmHWM")
 
 
 def reset_peak(device):
@@ -50,13 +58,6 @@ def reset_peak(device):
     else:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
-
-
-def peak(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def cases(tensors):
