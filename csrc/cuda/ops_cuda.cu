@@ -1,6 +1,6 @@
 // CUDA implementations of the elementwise ampinit ops (unscale, accumulate, copy, adopt, check),
-// the L2 norm, the fingerprint and the loss-scale update, all on the multi-tensor launcher.  The optimizers are in
-// optim_cuda.cu.
+// the L2 norm, the fingerprint and the loss-scale update, all on the multi-tensor launcher.  The
+// optimizers are in optim_cuda.cu.
 //
 // The scale and found_inf are read from device memory inside the kernels: no op reads a device
 // value on the host or copies host memory to the device, so none synchronises, and every
@@ -413,7 +413,8 @@ at::Tensor fingerprint(at::TensorList inputs) {
   const c10::cuda::CUDAGuard guard(device);
   DenseRows rows({inputs.vec()}, {false});  // dense tensors in memory order, others as their copy
   const std::vector<std::vector<at::Tensor>> lists = {rows.list(0)};
-  at::Tensor sums = at::zeros({static_cast<int64_t>(inputs.size())}, at::TensorOptions().dtype(at::kInt).device(device));
+  const auto options = at::TensorOptions().dtype(at::kInt).device(device);
+  at::Tensor sums = at::zeros({static_cast<int64_t>(inputs.size())}, options);
   auto* out = reinterpret_cast<uint32_t*>(sums.data_ptr<int32_t>());
   for (const auto& group : group_by_dtypes(lists)) {
     const auto sub = select(lists, group);
