@@ -33,9 +33,10 @@ master.  ``model.state_dict()`` and ``end`` read the joined FP32 value; ``model.
 splits the loaded one.  ``amp.master_params`` yields the bfloat16 parameters themselves (their
 ``.grad`` is what the kernel reads: clip that).  A write to such a weight from outside ampinit
 keeps its remainder where the written weight is finite and still the rounding of weight +
-remainder: the master is then within half a bfloat16 ulp of the written value; elsewhere (a
-weight zeroed, sign-flipped or set to inf) the master is the written value itself (an FP32
-master takes the written value exactly wherever the write changed the 16-bit weight).
+remainder: the master is then within half a bfloat16 ulp of the written value (a sign flip
+makes it exactly minus the old master); elsewhere (a weight zeroed or set to inf) the master is
+the written value itself.  An FP32 master takes the written value exactly wherever the write
+changed the 16-bit weight.
 
 Under ``torch.distributed`` the masters of parameters that an optimizer updates start from the
 model's values at the first backward (as apex's did), unless a checkpoint was loaded: ranks

@@ -233,7 +233,9 @@ def fingerprint(inputs: Tensors) -> torch.Tensor:
     tensor is read where it lies, whatever its strides; one with gaps or overlaps as its
     contiguous copy).  Any change to one element changes it (each term is a bijection of the
     bits), and the hash is not linear, so neither does a change of every element by one amount
-    (``w.mul_(0.5)``) cancel out; other changes go unseen with odds of about 2**-32.  It tells
+    (``w.mul_(0.5)``) cancel out; a random change goes unseen with odds of about 2**-32 (values
+    crafted against the hash, such as two elements swapped and XORed with the index keys'
+    difference, can be missed: it guards against accidents, not adversaries).  It tells
     a tensor written since it was taken, through ``.data`` included, at 2 or 4 bytes read per
     element.  On the device of the inputs.  No sync;
     safe to capture in a CUDA graph."""

@@ -120,7 +120,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         scaled_grads = scaled_grads or {}
         model_of = model_of or {}
         remainders = remainders or {}
-        work = self._gradients(scaled_grads)  # every check before any group is updated
+        work = self._gradients(scaled_grads, set(model_of.values()))  # every check before any update
         for group, rows in zip(self.param_groups, work):
             calls: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = {}
             for param, grad, scaled in rows:
@@ -141,14 +141,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
                              found_inf if found_inf is not None else zero_found,
                              [r for r, _ in rests], [t for _, t in rests])
 
-    def _gradients(self, scaled_grads: Dict[torch.Tensor, torch.Tensor]) \
+    def _gradients(self, scaled_grads: Dict[torch.Tensor, torch.Tensor], models: set) \
             -> List[List[Tuple[torch.Tensor, torch.Tensor, bool]]]:
         """Per group, ``(param, grad, scaled)`` of each param with a gradient (``scaled_grads[p]``
-        before ``p.grad``), every param checked first: a clear error leaves every group as it was."""
+        before ``p.grad``), every param checked first: a clear error leaves every group as it was.
+        ``models``: the model parameters whose masters ampinit put in the groups."""
         work, seen = [], {}
         for g, group in enumerate(self.param_groups):
             rows = []
             for i, param in enumerate(group["params"]):
+                if param in models:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: param_groups[{g}]['params'][{i}] is a 16-bit model parameter whose "
+                        "FP32 master this optimizer already updates (ampinit put the master in its place); it would "
+                        "be updated twice.  Add parameters with optimizer.add_param_group, which ampinit handles")
                 if param in seen:
                     raise RuntimeError(
                         f"{type(self).__name__}: param_groups[{g}]['params'][{i}] is the same parameter as "
@@ -167,6 +173,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"{type(self).__name__} updates float32, float16 and bfloat16 params; got a "
                                     f"{param.dtype} param. Use the torch.optim optimizer for it")
+                for key, value in self.state.get(param, {}).items():
+                    if key in _PER_ELEMENT_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                        raise RuntimeError(
+                            f"{type(self).__name__}: state {key!r} of param_groups[{g}]['params'][{i}] has shape "
+                            f"{tuple(value.shape)}, the param {tuple(param.shape)}: the loaded state_dict belongs "
+                            "to other parameters (torch's load_state_dict matches them by position only)")
                 rows.append((param, grad, scaled))
             work.append(rows)
         self._check_update([param for rows in work for param, _, _ in rows])
@@ -256,6 +268,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """The state dtype of the master: float32 for remainder masters (bfloat16 params that
         stand for FP32 masters), else the param's."""
         return torch.float32 if remainders else param.dtype
+
+
+# The state that holds one value per element of its param (the others are per-param scalars).
+_PER_ELEMENT_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def _get_hyper(group: dict, key: str):

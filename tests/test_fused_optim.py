@@ -610,3 +610,40 @@ def test_a_later_groups_sparse_gradient_is_refused_before_any_update():
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert torch.equal(first, torch.ones(3)) and not opt.state[first]
+
+
+def test_state_of_another_shape_is_refused_before_any_update():
+    """torch's load_state_dict matches state to params by position only: a later group's state
+    of another shape is named before any group is stepped."""
+    source = FusedAdamW([{"params": [torch.nn.Parameter(torch.randn(4))]},
+                         {"params": [torch.nn.Parameter(torch.randn(5))]}], lr=0.1)
+    for group in source.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    source.step()
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(6))
+    opt = FusedAdamW([{"params": [first]}, {"params": [second]}], lr=0.1)
+    opt.load_state_dict(source.state_dict())
+    first.grad, second.grad = torch.ones(4), torch.ones(6)
+    step_before = opt.state[first]["step"].clone()
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg' of param_groups\[1\]\['params'\]\[0\] has shape \(5,\)"):
+        opt.step()
+    assert torch.equal(first, torch.ones(4)) and torch.equal(opt.state[first]["step"], step_before)
+
+
+@pytest.mark.parametrize("make", [lambda groups: FusedAdamW(groups, lr=0.01), lambda groups: FusedSGD(groups, lr=0.01)],
+                         ids=["adamw", "sgd"])
+def test_a_model_parameter_appended_beside_its_master_is_refused(make):
+    """Appending the 16-bit model parameter itself to param_groups (not add_param_group) would
+    update it twice, through its master and directly: a clear error, on every backend."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = make([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    opt.param_groups[1]["params"].append(model[0].weight)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="16-bit|did not put there"):
+        opt.step()
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
