@@ -181,12 +181,18 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK32 = 0xFFFFFFFF
 
 
-def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements in memory order, as a 1-D view (some order of its dims is then
-    contiguous; no copy), or the elements of its contiguous copy (a tensor with gaps or overlaps)."""
+def _dense_order(tensor: torch.Tensor) -> Optional[List[int]]:
+    """The order of dims in which a dense tensor is contiguous (its memory order), or ``None``
+    for a tensor with gaps or overlaps."""
     order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
-    permuted = tensor.permute(order)
-    return (permuted if permuted.is_contiguous() else tensor.contiguous()).reshape(-1)
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view (no copy), or the elements of its
+    contiguous copy (a tensor with gaps or overlaps)."""
+    order = _dense_order(tensor)
+    return (tensor.contiguous() if order is None else tensor.permute(order)).reshape(-1)
 
 
 _FINGERPRINT_SLICE = 1 << 20  # elements per pass: the int64 temporaries stay at a few MiB
@@ -382,27 +388,23 @@ def _store_param(param: torch.Tensor, value: torch.Tensor, remainders, ties, i: 
 def _memory_positions(tensor: torch.Tensor) -> torch.Tensor:
     """Each element's position in ``tensor``'s memory order (see ``_memory_order``; logical order
     for a tensor with gaps), as an int64 tensor of its shape."""
+    order = _dense_order(tensor)
     positions = torch.empty(tensor.shape, dtype=torch.int64, device=tensor.device)
-    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
-    permuted = tensor.permute(order)
-    if not permuted.is_contiguous():
-        order = list(range(tensor.dim()))
-        permuted = tensor
-    positions.permute(order).copy_(torch.arange(tensor.numel(), device=tensor.device).reshape(permuted.shape))
+    in_memory_order = positions if order is None else positions.permute(order)
+    in_memory_order.copy_(torch.arange(tensor.numel(), device=tensor.device).reshape(in_memory_order.shape))
     return positions
 
 
-def _store_state(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, stochastic: bool,
-                 step: torch.Tensor, salt: int, param: torch.Tensor) -> None:
-    """Store a moment: rounded to nearest even, or (bfloat16 with ``stochastic``) with the
-    kernels' deterministic stochastic rounding: 16 bits of noise from (step, salt, the element's
-    position in the param's memory order) added below the kept bits, then truncated (inf/NaN to
-    nearest)."""
-    if not (stochastic and target.dtype == torch.bfloat16):
+def _store_state(target: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, step: torch.Tensor, salt: int,
+                 index: Optional[torch.Tensor]) -> None:
+    """Store a moment: rounded to nearest even, or (``index`` given: bfloat16 moments rounded
+    stochastically) with the kernels' deterministic stochastic rounding: 16 bits of noise from
+    (step, salt, ``index``: each element's position in the param's memory order, flattened)
+    added below the kept bits, then truncated (inf/NaN to nearest)."""
+    if index is None:
         _store(target, value, keep)
         return
     bits = value.detach().float().reshape(-1).contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    index = _memory_positions(param).reshape(-1)
     seed = step.detach().reshape(()).to(torch.int64) & _MASK32
     key = (seed * 0x9E3779B9 + salt * 0x85EBCA6B) & _MASK32
     noise = _mix_bits((index & _MASK32) ^ (index >> 32) ^ key) & 0xFFFF
@@ -452,8 +454,10 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, *, lr
         denom = v.sqrt() / bias_correction2.sqrt().float() + _f32(eps)
         w = w + (-(lr / bias_correction1)).float() * m / denom
         _store_param(param, w, remainders, ties, i, keep, old)
-        _store_state(exp_avgs[i], m, keep, stochastic_state_rounding, step, 1, param)
-        _store_state(exp_avg_sqs[i], v, keep, stochastic_state_rounding, step, 2, param)
+        stochastic = stochastic_state_rounding and exp_avgs[i].dtype == torch.bfloat16
+        index = _memory_positions(param).reshape(-1) if stochastic else None  # once for both moments
+        _store_state(exp_avgs[i], m, keep, step, 1, index)
+        _store_state(exp_avg_sqs[i], v, keep, step, 2, index)
         if model_params:
             _store(model_params[i], w, keep)
         steps[i].copy_(step)
