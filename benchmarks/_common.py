@@ -1,6 +1,7 @@
-"""Timing and reporting helpers shared by the benchmark scripts."""
+"""Timing, memory and reporting helpers shared by the benchmark scripts."""
 
 import platform
+import resource
 import statistics
 import time
 
@@ -39,3 +40,41 @@ def devices(requested):
     if requested == "all":
         return [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     return [torch.device(requested)]
+
+
+def memory_now(device):
+    """(current, peak) bytes: RSS and its high-water mark on CPU, allocated on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    peak = max(fields.get("VmHWM", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return fields.get("VmRSS", 0), peak
+
+
+def reset_peak(device):
+    """Start a new high-water mark; returns whether it could (Linux: ``clear_refs`` 5)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_peak(device):
+    """The high-water mark since :func:`reset_peak` (``VmHWM``; ``ru_maxrss`` is not reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

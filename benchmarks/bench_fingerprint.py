@@ -21,7 +21,7 @@ them: ``VmHWM`` (reset through ``/proc/self/clear_refs``) on CPU, ``max_memory_a
 import argparse
 
 import torch
-from _common import environment, timed
+from _common import current_peak, environment, memory_now, reset_peak, timed
 
 from ampinit import _fallback, ops
 
@@ -35,29 +35,6 @@ def gpt2_shapes(quick=False):
         shapes += [(WIDTH,), (WIDTH,), (3 * WIDTH, WIDTH), (3 * WIDTH,), (WIDTH, WIDTH), (WIDTH,),
                    (WIDTH,), (WIDTH,), (4 * WIDTH, WIDTH), (4 * WIDTH,), (WIDTH, 4 * WIDTH), (WIDTH,)]
     return shapes + [(WIDTH,), (WIDTH,)]
-
-
-def _status_bytes(field):
-    """A field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
-
-
-def allocated(device):
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_bytes("VmRSS")
-
-
-def peak(device):
-    """The high-water mark since :func:`reset_peak`."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_bytes("VmHWM")
-
-
-def reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
 
 
 def cases(tensors):
@@ -105,11 +82,11 @@ def main():
     results = {}
     for name, cycle in cases(tensors).items():
         cycle()  # warm-up (the snapshot is allocated here: counted below as memory held)
-        before = allocated(device)
+        before = memory_now(device)[0]
         reset_peak(device)
         ms = timed(cycle, args.repeats, device)
         held = sum(t.numel() * t.element_size() for t in tensors) if name.startswith("torch") else 0
-        results[name] = (ms, max(peak(device) - before, 0) + held)
+        results[name] = (ms, max(current_peak(device) - before, 0) + held)
     torch_ms = results["torch: snapshot + equal"][0]
     for name, (ms, extra) in results.items():
         print(f"| {name} | {ms:.1f} | {torch_ms / ms:.2f}x | {extra / 2 ** 20:.0f} |")

@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import environment
+from _common import current_peak, environment, memory_now, reset_peak
 from torch import nn
 
 import ampinit
@@ -122,44 +121,6 @@ def storage_bytes(tensors, seen):
         seen.add(storage.data_ptr())
         total += storage.nbytes()
     return total
-
-
-def memory_now(device):
-    """(current, peak) bytes: RSS and its high-water mark on CPU, allocated on CUDA."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    fields = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    peak = max(fields.get("VmHWM", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return fields.get("VmRSS", 0), peak
-
-
-def reset_peak(device):
-    """Start a new high-water mark; returns whether it could (Linux: ``clear_refs`` 5)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def current_peak(device):
-    """The high-water mark since :func:`reset_peak` (``VmHWM``; ``ru_maxrss`` is not reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def build(name, args, device):
