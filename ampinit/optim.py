@@ -329,8 +329,8 @@ class FusedAdam(_FusedOptimizer):
             rounds them once, stochastically (unbiased; the noise is a hash of the step, the
             moment and the element's position in the param's memory order, so a run, its resume
             and every backend round the same way; a resume with another memory format rounds
-            differently from there on).  To
-            nearest, ``0.999 * exp_avg_sq`` would round back to itself and never decay.
+            differently from there on).  To nearest, ``0.999 * exp_avg_sq`` would round back to
+            itself and never decay.
             ``None`` (default): the master's dtype (float32 under ``initialize`` at O2/O5, the
             param's otherwise).  ``state_dict()`` saves them in bfloat16;
             ``torch.optim.AdamW.load_state_dict`` upcasts them to its params' dtype.
