@@ -59,8 +59,9 @@ def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
 
 class _SaveFP32Values:
     """``model.state_dict()`` hook of one module: cast tensors report their FP32 values (the
-    masters), in their original dtypes.  On a copy of the model (dead link) they report their
-    own values in those dtypes."""
+    masters), in their original dtypes.  A copy of the model (dead link: an EMA made with
+    ``copy.deepcopy``) has no masters and reports its own tensors, as torch does, so in-place
+    updates through its state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it."""
 
     def __init__(self, link: _HandleLink, original_dtypes: Dict[str, torch.dtype]):
         self.link = link
@@ -68,11 +69,13 @@ class _SaveFP32Values:
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         handle = self.link.handle
+        if handle is None:
+            return
         for name, dtype in self.original_dtypes.items():
             key = prefix + name
             if key not in state_dict:
                 continue
-            value = handle.fp32_value(_local_tensor(module, name)) if handle is not None else None
+            value = handle.fp32_value(_local_tensor(module, name))
             state_dict[key] = (state_dict[key] if value is None else value.detach()).to(dtype)
 
 

@@ -491,11 +491,29 @@ def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
         model.eval()
         torch.testing.assert_close(copy_(x), model(x))
         assert copy_(x).dtype == model(x).dtype
-        state = copy_.state_dict()
-        assert all(v.dtype == model.state_dict()[k].dtype for k, v in state.items())
+        # a copy has no masters: its state_dict is its own tensors, as in torch
+        own = dict(copy_.named_parameters(), **dict(copy_.named_buffers()))
+        assert all(v.dtype == own[k].dtype and v.data_ptr() == own[k].data_ptr()
+                   for k, v in copy_.state_dict().items())
     with torch.no_grad():  # an EMA update from the live model
         for e, p in zip(ema.parameters(), model.parameters()):
             e.mul_(0.9).add_(p, alpha=0.1)
+    # timm's ModelEma / YOLO's ModelEMA update in place through the copy's state_dict: it lands
+    model.train()
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    live = model.state_dict()
+    expected = {k: v.clone() for k, v in ema.state_dict().items()}
+    with torch.no_grad():
+        for k, v in ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                v.mul_(0.5).add_(0.5 * live[k].to(v.dtype))
+                expected[k].mul_(0.5).add_(0.5 * live[k].to(v.dtype))
+    before = {k: v.clone() for k, v in restored.state_dict().items()}
+    assert any(not torch.equal(v, before[k]) for k, v in expected.items())  # the update moved it
+    for k, v in ema.state_dict().items():
+        assert torch.equal(v, expected[k]), k
     ema.float()  # a copy may be cast back: its inputs follow its parameters
     assert ema(x).dtype == torch.float32
     assert amp.handle_of(model) is opt.amp
