@@ -75,8 +75,9 @@ class _SaveFP32Values:
             key = prefix + name
             if key not in state_dict:
                 continue
-            value = handle.fp32_value(_local_tensor(module, name))
-            state_dict[key] = (state_dict[key] if value is None else value.detach()).to(dtype)
+            value = handle.report_fp32_value(_local_tensor(module, name), dtype)
+            if value is not None:  # else no master (O3): the tensor itself, as torch reports it
+                state_dict[key] = value
 
 
 class _LoadFP32Values:
@@ -380,12 +381,12 @@ class AmpHandle:
             raise
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def fp32_value(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The FP32 value of a cast tensor, with writes to the model adopted first."""
-        if self.masters is None or tensor is None or tensor not in self.masters:
+    def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """What ``model.state_dict()`` reports for a cast tensor: its FP32 value in ``dtype``
+        (see :meth:`MasterWeights.report`: in-place writes to it are adopted), or ``None``."""
+        if self.masters is None or tensor is None:
             return None
-        self.masters.sync([tensor])
-        return self.masters.master_of(tensor)
+        return self.masters.report(tensor, dtype)
 
     def load_fp32_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         if self.masters is not None:

@@ -46,6 +46,7 @@ weights.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -101,6 +102,8 @@ class MasterWeights:
         # bfloat16 parameters that keep FP32 masters although remainders were asked for (not
         # contiguous); the handle names them in a warning
         self.without_remainders: List[torch.Tensor] = []
+        # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
+        self._reported: Dict[torch.Tensor, weakref.finalize] = {}
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -140,6 +143,46 @@ class MasterWeights:
         if parts is not None:
             return _joined(tensor, parts)
         return self._value.get(tensor)
+
+    def report(self, tensor: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The FP32 value of ``tensor`` for ``model.state_dict()``, in ``dtype``, writes to the
+        model adopted first; ``None`` for a tensor without a master.
+
+        torch's state_dict aliases the model, and code writes through it
+        (``model.state_dict()[k].copy_(w)``, the partial loads of older repos).  The value
+        reported here is the master itself or, for remainders, a joined copy; an in-place write
+        into it reaches the model (and the master) when the value is dropped or at the next
+        :meth:`sync` (every optimizer update, ``amp.master_params``, the next
+        ``model.state_dict()``), whichever comes first.  Its version counter tells (no data
+        pass), and nothing is kept alive beyond the caller's own reference."""
+        if tensor not in self:
+            return None
+        self.sync([tensor])
+        value = self.master_of(tensor).detach().to(dtype)
+        # the finalizer holds a view (same storage and version counter), not the value itself
+        watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version)
+        watch.atexit = False
+        self._reported[tensor] = watch
+        return value
+
+    def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int) -> None:
+        """Model and master take a reported ``value`` that was written in place since."""
+        if value._version == version:
+            return
+        self.load(tensor, value)  # the master (and a remainder master's weight)
+        if tensor in self._value:
+            with torch.no_grad():
+                tensor.copy_(self._value[tensor])
+            self.mark([tensor])
+
+    def _adopt_reported(self, tensors: Optional[List[torch.Tensor]] = None) -> None:
+        """Adopt the writes into the values :meth:`report` handed out for ``tensors`` (default:
+        all) that are still alive, and stop watching them."""
+        for tensor in list(self._reported) if tensors is None else tensors:
+            watch = self._reported.pop(tensor, None)
+            pending = watch.detach() if watch is not None else None  # None: dropped, adopted then
+            if pending is not None:
+                self._adopt_report(*pending[2])
 
     def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(remainders, tie words)`` of a parameter whose master is kept as remainders."""
@@ -222,7 +265,9 @@ class MasterWeights:
         docstring) for ``tensors`` (default: all).  The first call, at the first backward,
         compares every cast tensor; under ``torch.distributed`` it sets the masters that
         optimizers update to the model's values instead (unless a checkpoint was loaded).
-        No host sync."""
+        No host sync.  Writes into what :meth:`report` handed out are adopted first."""
+        if self._reported:
+            self._adopt_reported(None if tensors is None else list(tensors))
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)
@@ -263,7 +308,11 @@ class MasterWeights:
         """A checkpoint's FP32 ``value`` of ``tensor`` (``model.load_state_dict``): the master
         takes it (a master kept as remainders is split, its weight written too); under
         ``torch.distributed`` the masters then keep it rather than start from the model.
-        Nothing happens for a tensor without a master or a value of another shape."""
+        Nothing happens for a tensor without a master or a value of another shape.  A write
+        into a reported value of ``tensor`` not adopted yet is dropped: this value is newer."""
+        watch = self._reported.pop(tensor, None)
+        if watch is not None:
+            watch.detach()
         parts = self._remainders.get(tensor)
         master = self._value.get(tensor)
         if value.shape != tensor.shape or (parts is None and master is None):
@@ -326,6 +375,7 @@ class MasterWeights:
     def restore(self) -> None:
         """``end()``: every cast tensor takes its FP32 value back, adopting writes to the model
         first where it still has the dtype and device ampinit gave it."""
+        self._adopt_reported()
         kept = [t for t in self._value if t.dtype == self._cast_dtype[t] and t.device == self._value[t].device]
         if self._compared_once:
             self._adopt_written(kept)

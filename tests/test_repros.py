@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ampinit as amp
+import ampinit.optim
 from conftest import ZERO_STYLES, clear_grads
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -517,6 +518,60 @@ def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
     ema.float()  # a copy may be cast back: its inputs follow its parameters
     assert ema(x).dtype == torch.float32
     assert amp.handle_of(model) is opt.amp
+
+
+# -- r13b: writes through model.state_dict() --------------------------------------------------
+
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O3", False), ("O5", False), ("O5", True)])
+@pytest.mark.parametrize("idiom", ["one_line", "own_state_loop", "kept_dict"])
+def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, remainders, idiom):
+    """torch's state_dict aliases the model, and older repos load partial weights through it
+    (``own_state[name].copy_(param)``); the same run with ``load_state_dict`` is the reference.
+    At O2/O5 the reported values are the FP32 masters (a joined copy with remainders): the
+    write must reach the model before its next forward, and the master too."""
+    def run(write):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = (amp.optim.FusedAdam if remainders else torch.optim.Adam)(model.parameters(), lr=1e-2)
+        extra = {"master_weights": "remainder"} if remainders else {}
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+        pretrained = {"2.weight": torch.linspace(-1, 1, 16).reshape(2, 8), "2.bias": torch.tensor([0.3, -0.7])}
+        write(model, pretrained)
+        dtype = next(model.parameters()).dtype
+        assert torch.equal(model[2].weight, pretrained["2.weight"].to(dtype))  # before any forward
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 4, generator=gen).to(dtype)
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], model.state_dict()
+
+    def reference(model, pretrained):
+        model.load_state_dict(pretrained, strict=False)
+
+    def through_state_dict(model, pretrained):
+        if idiom == "one_line":
+            for name, value in pretrained.items():
+                model.state_dict()[name].copy_(value)
+        elif idiom == "own_state_loop":
+            own_state = model.state_dict()
+            for name, value in pretrained.items():
+                own_state[name].copy_(value)
+            del own_state
+        else:  # the dict is kept alive: the next state_dict() (below, before the forward) adopts
+            through_state_dict.kept = model.state_dict()
+            for name, value in pretrained.items():
+                through_state_dict.kept[name].copy_(value)
+            model.state_dict()
+
+    expected_params, expected_state = run(reference)
+    params, state = run(through_state_dict)
+    for got, want in zip(params, expected_params):
+        assert torch.equal(got, want)
+    for key, want in expected_state.items():
+        assert torch.equal(state[key], want), key
 
 
 # -- r14: zero_grad(set_to_none=False) must not hide a backward outside scale_loss -------------
