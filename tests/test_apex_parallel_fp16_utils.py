@@ -191,6 +191,42 @@ def test_fp16_optimizer_trains_like_ampinit_o2(dynamic):
     assert opt2.loss_scale == opt.loss_scale
 
 
+@pytest.mark.parametrize("update_master_grads", [True, False])
+@pytest.mark.parametrize("fused,plain", [("FusedAdam", "AdamW"), ("FusedSGD", "SGD")])
+def test_fp16_optimizer_over_a_fused_optimizer_clips_like_over_torchs(fused, plain, update_master_grads):
+    """Megatron's pattern, FP16_Optimizer(apex.optimizers.FusedAdam) + clip_master_grads: the
+    fused kernel reads the model's gradients, so the masters' must be filled before the clip
+    (they were left empty: the norm was 0 and nothing was clipped).  Reference: the same loop
+    over the torch optimizer, which the fused one matches bit for bit without clipping."""
+    import ampinit.optim
+
+    def run(make):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).half()
+        opt = fp16_utils.FP16_Optimizer(make(model.parameters()), static_loss_scale=128.0, verbose=False)
+        gen = torch.Generator().manual_seed(1)
+        norms, grads = [], []
+        for _ in range(6):
+            x, y = torch.randn(16, 8, generator=gen).half(), torch.randn(16, 4, generator=gen)
+            opt.zero_grad()
+            opt.backward(((model(x).float() - y) ** 2).mean(), update_master_grads=update_master_grads)
+            if not update_master_grads:
+                opt.update_master_grads()
+            grads.append([g.clone() for group in opt.inspect_master_grad_data() for g in group])
+            norms.append(opt.clip_master_grads(1e-3))
+            opt.step()
+        return norms, grads, [p.detach().clone() for p in model.parameters()]
+
+    kwargs = {"lr": 1e-2, "weight_decay": 0.0} if plain == "AdamW" else {"lr": 0.1, "momentum": 0.9}
+    norms, grads, params = run(lambda ps: getattr(ampinit.optim, fused)(ps, **kwargs))
+    ref_norms, ref_grads, ref_params = run(lambda ps: getattr(torch.optim, plain)(ps, **kwargs))
+    assert norms == ref_norms and all(n > 1e-3 for n in norms)  # every step clipped
+    for got, want in zip(grads, ref_grads):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for got, want in zip(params, ref_params):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-3)  # the kernels' arithmetic order
+
+
 def test_fp16_optimizer_rejects_bad_input():
     with pytest.raises(TypeError):
         fp16_utils.FP16_Optimizer("sgd")

@@ -222,11 +222,13 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         apex).  Reads the overflow flag and the norm on the host."""
         if self.overflow:
             return -1
+        self._materialize_master_grads()
         return float(torch.nn.utils.clip_grad_norm_(self._masters(), max_norm, norm_type))
 
     def inspect_master_grad_data(self) -> Optional[List[List[Optional[torch.Tensor]]]]:
         if self.overflow:
             return None
+        self._materialize_master_grads()
         return [[None if p.grad is None else p.grad.data for p in group["params"]]
                 for group in self.optimizer.param_groups]
 
@@ -251,6 +253,12 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     @property
     def state(self) -> Dict[torch.Tensor, Any]:
         return self.optimizer.state
+
+    def _materialize_master_grads(self) -> None:
+        """A fused optimizer (``apex.optimizers.FusedAdam``) reads the model's gradients in its
+        kernel and leaves the masters' ``.grad`` empty: unscale them there for code that reads
+        or clips the masters' gradients, as ``amp.master_params`` does."""
+        self._binding.flow.materialize_deferred()
 
     def _masters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
