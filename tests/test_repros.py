@@ -574,6 +574,51 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         assert torch.equal(state[key], want), key
 
 
+# -- r13c: freezing through the optimizer's param_groups ---------------------------------------
+
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_r13c_freezing_through_param_groups_freezes_like_through_the_model(level, remainders, optimizer):
+    """``for p in opt.param_groups[0]["params"]: p.requires_grad_(False)`` reaches the masters
+    at O2/O5; it must freeze as freezing the model's parameters does (the reference), frozen
+    mid-run and unfrozen later, not keep training the model (it did)."""
+    if remainders and optimizer == "sgd":
+        pytest.skip("remainder masters need ampinit's fused optimizers")
+
+    def run(through_groups):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)) if optimizer == "sgd" \
+            else (lambda ps: amp.optim.FusedAdam(ps, lr=1e-2, weight_decay=0.01))
+        backbone, head = make(model[0].parameters()), make(model[2].parameters())
+        extra = {"master_weights": "remainder"} if remainders else {}
+        model, (backbone, head) = amp.initialize(model, [backbone, head], opt_level=level, verbosity=0,
+                                                 loss_scale=128.0, **extra)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(8):
+            if step in (2, 6):
+                frozen = step == 2
+                params = [p for g in backbone.param_groups for p in g["params"]] if through_groups \
+                    else list(model[0].parameters())
+                for p in params:
+                    p.requires_grad_(not frozen)
+            if step == 3:
+                weight = model[0].weight.detach().clone()
+            if step == 6:
+                assert torch.equal(model[0].weight, weight)  # frozen for steps 2-5
+            x = torch.randn(16, 4, generator=gen).to(next(model.parameters()).dtype)
+            backbone.zero_grad()
+            head.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean(), [backbone, head]) as scaled:
+                scaled.backward()
+            backbone.step()
+            head.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in zip(run(through_groups=True), run(through_groups=False)):
+        assert torch.equal(got, want)
+
+
 # -- r14: zero_grad(set_to_none=False) must not hide a backward outside scale_loss -------------
 
 @pytest.mark.parametrize("level", MASTER_LEVELS)
