@@ -440,7 +440,15 @@ class AmpHandle:
         counters = self._check_counters(state_dict.get("ampinit"))
         for binding in self._bindings:
             binding.resolve_fused_steps(wait=True)  # settle what earlier steps owe first
-        for key, scaler in zip(expected, self.loss_scalers):
+        saved_scale = (state_dict.get("ampinit") or {}).get("config", {}).get("loss_scale", "dynamic")
+        for index, (key, scaler) in enumerate(zip(expected, self.loss_scalers)):
+            if scaler.dynamic and saved_scale != "dynamic":
+                # a static scale (1.0 at O0/O4/O5) is not where a dynamic fp16 scale should resume:
+                # at 1.0 small fp16 gradients flush to zero for ~16 x growth_interval steps
+                self.log(0, f"ampinit: loss_scaler{index} was static ({saved_scale}) in the checkpoint; this "
+                            f"initialization's dynamic scale keeps its own ({scaler.loss_scale():g})",
+                         logging.WARNING)
+                continue
             scaler.load_state_dict(state_dict[key])
         for binding, counts in zip(self._bindings, counters or []):
             binding.steps = counts["steps"]

@@ -111,3 +111,33 @@ def test_state_dict_refers_to_most_recent_and_handles_are_independent():
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 16  # b, the most recent
     assert opt_a.amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
     assert amp.state_dict(destination={"x": 1})["x"] == 1
+
+
+@pytest.mark.parametrize("saved_level,saved_scale", [("O5", None), ("O0", None), ("O2", 128.0)])
+def test_a_static_scale_does_not_replace_a_dynamic_one(saved_level, saved_scale, caplog):
+    """An amp state saved with a static scale (1.0 at O0/O5, or a fixed loss_scale) loaded into
+    a dynamic fp16 run: the dynamic scale keeps its own, with a warning; taking 1.0 flushed small
+    fp16 gradients to zero for ~16 x growth_interval steps.  Reference: the fresh O2 run."""
+    def setup(level, **extra):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        return amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0,
+                              **extra)
+
+    setup(saved_level, **({"loss_scale": saved_scale} if saved_scale else {}))
+    saved = amp.state_dict()
+
+    def grad_after(load):
+        model, opt = setup("O2")
+        if load:
+            with caplog.at_level("WARNING", logger="ampinit"):
+                amp.load_state_dict(saved)
+        with amp.scale_loss(model(torch.full((1, 4), 1e-4)).float().sum() * 1e-4, opt) as scaled:
+            scaled.backward()
+        return opt.amp.loss_scale(), next(iter(amp.master_params(opt))).grad.clone()
+
+    fresh_scale, fresh_grad = grad_after(load=False)
+    scale, grad = grad_after(load=True)
+    assert scale == fresh_scale == 2.0 ** 16
+    assert torch.equal(grad, fresh_grad) and bool((grad != 0).all())
+    assert "was static" in caplog.text
