@@ -119,6 +119,12 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
         if amp_optimizer.binding_of(opt) is not None:
             raise RuntimeError("this optimizer is already initialized by ampinit; call "
                                "ampinit.end(optimizer) before initializing it again")
+        if not amp_optimizer.has_step_hooks(opt) and amp_optimizer.step_bound_before(opt):
+            raise RuntimeError(
+                f"{type(opt).__name__} never called torch.optim.Optimizer.__init__, so it has no step hooks, and "
+                "its step was replaced on the instance before initialize (an LR scheduler does that): that step "
+                "would bypass ampinit's, and the model would not train.  Create the LR scheduler after "
+                f"ampinit.initialize, or call super().__init__ in {type(opt).__name__}.__init__")
         delegate = amp_optimizer.delegating_optimizer(opt)
         if delegate is not None and config.master_weights:
             raise ValueError(

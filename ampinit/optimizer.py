@@ -164,11 +164,26 @@ def amp_optimizer_class(base: type) -> type:
                  "_ampinit_base": base})
 
 
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has torch's step hooks: not if its class never called
+    ``Optimizer.__init__`` (the widely copied ``Lookahead``).  ampinit then runs its step
+    through the class only, which a step bound before ``initialize`` (an LR scheduler's
+    wrapper) would bypass: see :func:`step_bound_before`."""
+    return hasattr(optimizer, "_optimizer_step_pre_hooks") and hasattr(optimizer, "_optimizer_step_post_hooks")
+
+
+def step_bound_before(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether something replaced ``optimizer.step`` on the instance (an LR scheduler does)."""
+    return "step" in optimizer.__dict__
+
+
 def attach(optimizer: torch.optim.Optimizer, binding: "OptimizerBinding") -> list:
     """Bind ``optimizer``; returns the hook handles that :func:`detach` removes."""
     optimizer.__dict__.pop(_ENDED_ATTR, None)
     optimizer.__dict__[_BINDING_ATTR] = binding
     optimizer.__class__ = amp_optimizer_class(type(optimizer))
+    if not has_step_hooks(optimizer):
+        return []  # its step is only reached through the class (see has_step_hooks)
     pre = optimizer.register_step_pre_hook(_step_pre_hook)
     post = optimizer.register_step_post_hook(_step_post_hook)
     # Ours run before hooks registered earlier: a post hook (an EMA of the model, say) must see

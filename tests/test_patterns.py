@@ -1,5 +1,7 @@
 """Training patterns at O1, O2 and O5: accumulation, clipping, gradient penalty, sparse
 gradients, several models/losses; overflow diagnostics and persistent NaN."""
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -220,3 +222,81 @@ def test_persistent_nan_check_can_be_disabled():
             scaled.backward()
         opt.step()
     assert opt.amp.skipped_steps == 40
+
+
+# -- an optimizer wrapper that never calls Optimizer.__init__ (the widely copied Lookahead) ------
+
+class _Lookahead(torch.optim.Optimizer):
+    """alphadl/lookahead.pytorch's Lookahead: shares the inner optimizer's param_groups and
+    skips ``Optimizer.__init__``, so torch never hooks its class's step."""
+
+    def __init__(self, optimizer, k=2, alpha=0.5):
+        self.optimizer, self.k, self.alpha = optimizer, k, alpha
+        self.param_groups = optimizer.param_groups
+        self.state = collections.defaultdict(dict)
+        for group in self.param_groups:
+            group["counter"] = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optimizer.step()
+        for group in self.param_groups:
+            if group["counter"] == 0:
+                for fast in group["params"]:
+                    slow = self.state[fast].setdefault("slow", fast.detach().clone())
+                    slow += (fast - slow) * self.alpha
+                    fast.copy_(slow)
+            group["counter"] = (group["counter"] + 1) % self.k
+        return loss
+
+
+class _LookaheadWithInit(_Lookahead):
+    """The same, calling ``Optimizer.__init__`` (which hooks this subclass's step only)."""
+
+    def __init__(self, optimizer, k=2, alpha=0.5):
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, {})
+        super().__init__(optimizer, k, alpha)
+
+
+@pytest.mark.parametrize("level", ["O0", "O2", "O5"])
+@pytest.mark.parametrize("scheduler", [None, "after"])
+def test_lookahead_without_optimizer_init_trains_like_with_it(level, scheduler):
+    """The copied Lookahead crashed in initialize (no step hooks); it must train exactly like
+    the same wrapper that does call ``Optimizer.__init__`` (the reference)."""
+    def run(call_init):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = (_LookaheadWithInit if call_init else _Lookahead)(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                momentum=0.9))
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(16, 4, generator=gen).to(next(model.parameters()).dtype)
+            model.zero_grad()  # torch's Optimizer.zero_grad needs the attributes its __init__ sets
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).parameters()]
+    got, want = run(call_init=False), run(call_init=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a.float(), b) for a, b in zip(got, start))  # it trained
+
+
+def test_lookahead_without_optimizer_init_and_a_scheduler_made_before_initialize_is_refused():
+    """Its step bound by the scheduler would bypass ampinit's (no hooks to reach it): a clear
+    error, and the optimizer left untouched."""
+    model = nn.Linear(4, 2)
+    opt = _Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    before = type(opt), [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(RuntimeError, match="LR scheduler after"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert (type(opt), [list(g["params"]) for g in opt.param_groups]) == before
+    assert model.weight.dtype == torch.float32
