@@ -72,7 +72,8 @@ class BackwardWatch:
     """Tells whether a backward reached the scaled loss that ``scale_loss`` yielded."""
 
     def __init__(self, scaled_loss: torch.Tensor, on_reach: Callable[[], None] = lambda: None):
-        self.reached = not scaled_loss.requires_grad  # nothing to watch: assume it was used
+        # A loss without autograd history cannot be backpropagated (backward raises): never reached.
+        self.reached = False
         self._on_reach = on_reach
         if scaled_loss.requires_grad:
             scaled_loss.register_hook(self._reach)

@@ -279,6 +279,39 @@ def test_r06_exception_in_scale_loss_leaves_what_fp32_leaves(level, scale, where
     torch.testing.assert_close(weight, ref_weight, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_r06_a_backward_that_raises_on_a_loss_without_history_changes_nothing(level):
+    """A loss computed under no_grad: its backward raises inside scale_loss.  Nothing ran, so
+    the scaler's counters, the gradients and the next steps are the uninterrupted run's (the
+    scaler counted it as a clean backward, moving the next scale growth)."""
+    def run(interrupt):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        model, opt = amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), opt_level=level,
+                                    verbosity=0, loss_scale="dynamic", growth_interval=2)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x = torch.randn(8, 4, generator=gen).to(next(model.parameters()).dtype)
+            if interrupt and step == 2:
+                with torch.no_grad():
+                    loss = model(x).float().pow(2).mean()
+                before = amp.state_dict()
+                with pytest.raises(RuntimeError, match="does not require grad"):
+                    with amp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                assert amp.state_dict() == before
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return amp.state_dict(), [p.detach().clone() for p in model.parameters()]
+
+    (state, params), (ref_state, ref_params) = run(True), run(False)
+    assert state == ref_state
+    for got, want in zip(params, ref_params):
+        assert torch.equal(got, want)
+
+
 def test_r06_exception_during_delayed_accumulation_keeps_the_accumulated_gradients():
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
