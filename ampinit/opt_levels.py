@@ -16,6 +16,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .scaler import DEFAULT_MIN_LOSS_SCALE
+
 __all__ = ["AmpConfig", "OPT_LEVELS", "resolve_config"]
 
 LossScale = Union[float, str]
@@ -270,7 +272,7 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
     if dynamic_options and not config.dynamic_loss_scale:
         raise ValueError(f"{where}: {', '.join(sorted(dynamic_options))} only apply to dynamic loss scaling, but "
                          f"loss_scale={config.loss_scale}; pass loss_scale='dynamic' or drop them")
-    floor = config.min_loss_scale if config.min_loss_scale is not None else 0.0
+    floor = config.min_loss_scale if config.min_loss_scale is not None else DEFAULT_MIN_LOSS_SCALE
     if "init_scale" in dynamic_options and not floor <= config.init_scale <= config.max_loss_scale:
         raise ValueError(f"init_scale={config.init_scale:g} is outside [min_loss_scale, max_loss_scale] = "
                          f"[{floor:g}, {config.max_loss_scale:g}]")

@@ -19,6 +19,9 @@ from . import ops
 __all__ = ["LossScaler"]
 
 logger = logging.getLogger("ampinit")
+
+# The dynamic scale's floor unless min_loss_scale is given: fp16's smallest subnormal.
+DEFAULT_MIN_LOSS_SCALE = 2.0 ** -24
 # Counters in a checkpoint, with the largest value their device tensors hold.
 _INT_STATE = {"unskipped": 2 ** 31 - 1, "hysteresis_left": 2 ** 31 - 1, "overflows": 2 ** 63 - 1}
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -63,7 +66,7 @@ class LossScaler:
             raise ValueError(f"hysteresis must be an int >= 1; got {hysteresis!r}")
         # Below 2**-24 a float32 scale turns fp16 gradients into zeros or denormals; without a
         # floor apex's scale fell to 1e-205 (apex #318).
-        self.min_loss_scale = 2.0 ** -24 if min_loss_scale is None else float(min_loss_scale)
+        self.min_loss_scale = DEFAULT_MIN_LOSS_SCALE if min_loss_scale is None else float(min_loss_scale)
         self.max_loss_scale = float(max_loss_scale)
         if not 0 < self.min_loss_scale <= self.max_loss_scale:
             raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale; got "

@@ -441,6 +441,7 @@ def test_r10_load_state_dict_validates_everything_first(caplog):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_scale=1e39), "float32"), (dict(loss_scale="1e39"), "float32"),
     (dict(max_loss_scale=1e40), "float32"), (dict(init_scale=2.0 ** 30), "init_scale"),
+    (dict(init_scale=2.0 ** -30), r"= \[5.96046e-08, "),  # the default floor, 2**-24, not 0
     (dict(growth_interval=0), "growth_interval"), (dict(hysteresis=1.5), "hysteresis"),
     (dict(loss_scale=128.0, growth_interval=100), "dynamic"),
 ])
