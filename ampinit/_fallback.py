@@ -35,7 +35,8 @@ def _check_sparse_and_unscale(grad: torch.Tensor, inv_scale: torch.Tensor,
     grad = grad.coalesce()
     values = grad._values().float() * inv_scale
     found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(values)).any().float().reshape(1)))
-    return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, is_coalesced=True)
+    # indices of a coalesced tensor: valid by construction, so no invariant check (and no warning)
+    return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False)
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
