@@ -158,7 +158,8 @@ class MasterWeights:
         if tensor not in self:
             return None
         self.sync([tensor])
-        value = self.master_of(tensor).detach().to(dtype)
+        with torch.inference_mode(False):  # an inference tensor has no version counter to watch
+            value = self.master_of(tensor).detach().to(dtype)
         # the finalizer holds a view (same storage and version counter), not the value itself
         watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version)
         watch.atexit = False

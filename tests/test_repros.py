@@ -557,7 +557,7 @@ def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
 # -- r13b: writes through model.state_dict() --------------------------------------------------
 
 @pytest.mark.parametrize("level,remainders", [("O2", False), ("O3", False), ("O5", False), ("O5", True)])
-@pytest.mark.parametrize("idiom", ["one_line", "own_state_loop", "kept_dict"])
+@pytest.mark.parametrize("idiom", ["one_line", "own_state_loop", "kept_dict", "inference_mode"])
 def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, remainders, idiom):
     """torch's state_dict aliases the model, and older repos load partial weights through it
     (``own_state[name].copy_(param)``); the same run with ``load_state_dict`` is the reference.
@@ -586,9 +586,10 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         model.load_state_dict(pretrained, strict=False)
 
     def through_state_dict(model, pretrained):
-        if idiom == "one_line":
-            for name, value in pretrained.items():
-                model.state_dict()[name].copy_(value)
+        if idiom in ("one_line", "inference_mode"):
+            with torch.inference_mode(idiom == "inference_mode"):
+                for name, value in pretrained.items():
+                    model.state_dict()[name].copy_(value)
         elif idiom == "own_state_loop":
             own_state = model.state_dict()
             for name, value in pretrained.items():
