@@ -80,6 +80,21 @@ class _SaveFP32Values:
                 state_dict[key] = value
 
 
+class _ReportingWindow:
+    """``model.state_dict()`` pre- and post-hook of an initialized model: one batched sync of
+    every cast tensor before the call (one fingerprint pass), which the per-module hooks then
+    rely on instead of syncing each tensor on its own."""
+
+    def __init__(self, link: _HandleLink, opening: bool):
+        self.link = link
+        self.opening = opening
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        handle = self.link.handle
+        if handle is not None and handle.masters is not None:
+            handle.masters.set_reporting(self.opening)
+
+
 class _LoadFP32Values:
     """``model.load_state_dict()`` hook of one module: cast tensors load their FP32 values too,
     so a checkpoint's full-precision values are not lost to the model's rounding."""
@@ -395,7 +410,7 @@ class AmpHandle:
     def _install_state_dict_hooks(self, model: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> list:
         """``model.state_dict()`` reports the FP32 values of cast tensors in their original
         dtypes; ``model.load_state_dict()`` writes the FP32 values too."""
-        hooks = []
+        hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
         for module in model.modules():
             owned = {name: t for name, t in list(module._parameters.items()) + list(module._buffers.items())
                      if t is not None and t in original}
@@ -404,6 +419,8 @@ class AmpHandle:
             save = _SaveFP32Values(self._link, {name: original[t] for name, t in owned.items()})
             hooks.append(module.register_state_dict_post_hook(save))
             hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, list(owned))))
+        # after the model's own value hook (hooks run in the order registered; the root's last)
+        hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
         return hooks
 
     def state_dict(self) -> Dict[str, Any]:

@@ -104,6 +104,7 @@ class MasterWeights:
         self.without_remainders: List[torch.Tensor] = []
         # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
         self._reported: Dict[torch.Tensor, weakref.finalize] = {}
+        self._reporting = False  # inside a model.state_dict() that synced every tensor first
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -157,7 +158,8 @@ class MasterWeights:
         pass), and nothing is kept alive beyond the caller's own reference."""
         if tensor not in self:
             return None
-        self.sync([tensor])
+        if not self._reporting:  # else synced at the start of this model.state_dict()
+            self.sync([tensor])
         with torch.inference_mode(False):  # an inference tensor has no version counter to watch
             value = self.master_of(tensor).detach().to(dtype)
         # the finalizer holds a view (same storage and version counter), not the value itself
@@ -165,6 +167,13 @@ class MasterWeights:
         watch.atexit = False
         self._reported[tensor] = watch
         return value
+
+    def set_reporting(self, opening: bool) -> None:
+        """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is synced
+        at once, and :meth:`report` skips its own sync) or ends."""
+        if opening:
+            self.sync()  # adopts the writes into earlier reported values too
+        self._reporting = opening
 
     def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int) -> None:
         """Model and master take a reported ``value`` that was written in place since."""
@@ -267,6 +276,7 @@ class MasterWeights:
         compares every cast tensor; under ``torch.distributed`` it sets the masters that
         optimizers update to the model's values instead (unless a checkpoint was loaded).
         No host sync.  Writes into what :meth:`report` handed out are adopted first."""
+        self._reporting = False  # a state_dict() that raised midway must not leave it set
         if self._reported:
             self._adopt_reported(None if tensors is None else list(tensors))
         if not self._compared_once:

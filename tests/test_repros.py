@@ -609,6 +609,27 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         assert torch.equal(state[key], want), key
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("root", [True, False])
+def test_r13b_state_dict_reports_writes_to_the_model_made_through_data(level, root):
+    """``model.state_dict()`` syncs every cast tensor once at its start (one fingerprint pass)
+    instead of one tensor at a time: a ``.data`` write (no version counter sees it) is still in
+    what it reports, from the whole model and from a submodule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    x = torch.randn(3, 4).to(model[0].weight.dtype)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    model[2].weight.data.mul_(2)
+    model[0].bias.data.fill_(0.75)
+    state = model.state_dict() if root else {f"2.{k}": v for k, v in model[2].state_dict().items()}
+    assert torch.equal(state["2.weight"], model[2].weight.float())
+    if root:
+        assert torch.equal(state["0.bias"], torch.full((8,), 0.75))
+
+
 # -- r13c: freezing through the optimizer's param_groups ---------------------------------------
 
 @pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
