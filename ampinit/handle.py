@@ -76,8 +76,8 @@ class _SaveFP32Values:
             if key not in state_dict:
                 continue
             value = handle.report_fp32_value(_local_tensor(module, name), dtype)
-            if value is not None:  # else no master (O3): the tensor itself, as torch reports it
-                state_dict[key] = value
+            # no master (O3): its value in the original dtype, a copy, as apex reported it
+            state_dict[key] = state_dict[key].to(dtype) if value is None else value
 
 
 class _ReportingWindow:
