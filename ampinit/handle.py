@@ -75,7 +75,8 @@ class _SaveFP32Values:
             key = prefix + name
             if key not in state_dict:
                 continue
-            value = handle.report_fp32_value(_local_tensor(module, name), dtype)
+            keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
+            value = handle.report_fp32_value(_local_tensor(module, name), dtype, keep_vars)
             # no master (O3): its value in the original dtype, a copy, as apex reported it
             state_dict[key] = state_dict[key].to(dtype) if value is None else value
 
@@ -396,12 +397,13 @@ class AmpHandle:
             raise
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,
+                          keep_vars: bool = False) -> Optional[torch.Tensor]:
         """What ``model.state_dict()`` reports for a cast tensor: its FP32 value in ``dtype``
         (see :meth:`MasterWeights.report`: in-place writes to it are adopted), or ``None``."""
         if self.masters is None or tensor is None:
             return None
-        return self.masters.report(tensor, dtype)
+        return self.masters.report(tensor, dtype, keep_vars)
 
     def load_fp32_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         if self.masters is not None:

@@ -46,6 +46,7 @@ weights.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -55,6 +56,8 @@ from torch import nn
 from . import ops
 
 __all__ = ["MasterWeights"]
+
+logger = logging.getLogger("ampinit")
 
 
 def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
@@ -103,7 +106,7 @@ class MasterWeights:
         # contiguous); the handle names them in a warning
         self.without_remainders: List[torch.Tensor] = []
         # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
-        self._reported: Dict[torch.Tensor, weakref.finalize] = {}
+        self._reported: Dict[torch.Tensor, List[weakref.finalize]] = {}
         self._reporting = False  # inside a model.state_dict() that synced every tensor first
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
@@ -145,7 +148,7 @@ class MasterWeights:
             return _joined(tensor, parts)
         return self._value.get(tensor)
 
-    def report(self, tensor: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    def report(self, tensor: torch.Tensor, dtype: torch.dtype, keep_vars: bool = False) -> Optional[torch.Tensor]:
         """The FP32 value of ``tensor`` for ``model.state_dict()``, in ``dtype``, writes to the
         model adopted first; ``None`` for a tensor without a master.
 
@@ -155,17 +158,26 @@ class MasterWeights:
         into it reaches the model (and the master) when the value is dropped or at the next
         :meth:`sync` (every optimizer update, ``amp.master_params``, the next
         ``model.state_dict()``), whichever comes first.  Its version counter tells (no data
-        pass), and nothing is kept alive beyond the caller's own reference."""
+        pass), and nothing is kept alive beyond the caller's own reference.  With ``keep_vars``
+        (``state_dict(keep_vars=True)``) an FP32 master is reported as the Parameter itself."""
         if tensor not in self:
             return None
         if not self._reporting:  # else synced at the start of this model.state_dict()
             self.sync([tensor])
         with torch.inference_mode(False):  # an inference tensor has no version counter to watch
-            value = self.master_of(tensor).detach().to(dtype)
+            master = self.master_of(tensor)
+            if keep_vars and master.dtype == dtype and isinstance(master, nn.Parameter):
+                value = master  # state_dict(keep_vars=True): the Parameter, requires_grad and all
+            else:
+                value = master.detach().to(dtype)
+                if keep_vars:
+                    value.requires_grad_(tensor.requires_grad)
+        # the model as it is now: a write to it before the value's is adopted wins (see below)
+        model_mark = self._marks[tensor] if tensor in self._value else (_stamp(tensor), ops.fingerprint([tensor])[0])
         # the finalizer holds a view (same storage and version counter), not the value itself
-        watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version)
+        watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark)
         watch.atexit = False
-        self._reported[tensor] = watch
+        self._reported.setdefault(tensor, []).append(watch)  # tied weights: one per key
         return value
 
     def set_reporting(self, opening: bool) -> None:
@@ -175,9 +187,20 @@ class MasterWeights:
             self.sync()  # adopts the writes into earlier reported values too
         self._reporting = opening
 
-    def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int) -> None:
-        """Model and master take a reported ``value`` that was written in place since."""
+    def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int,
+                      model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:
+        """Model and master take a reported ``value`` that was written in place since, unless
+        the model tensor was written too: which came last cannot be told, so the model's write
+        is kept (as for a tensor written on both sides between two updates), with a warning.
+        Reads the model's fingerprint on the host, only for a written value."""
         if value._version == version:
+            return
+        stamp, fingerprint = model_mark
+        if _stamp(tensor) != stamp or bool(ops.fingerprint([tensor])[0] != fingerprint):
+            logger.warning("ampinit: %s was written both through a tensor of model.state_dict() and directly "
+                           "while that state dict was alive; ampinit cannot tell which came last and keeps the "
+                           "model's value.  Write the parameter itself, or use model.load_state_dict()",
+                           self._names.get(tensor, "a parameter"))
             return
         self.load(tensor, value)  # the master (and a remainder master's weight)
         if tensor in self._value:
@@ -189,10 +212,10 @@ class MasterWeights:
         """Adopt the writes into the values :meth:`report` handed out for ``tensors`` (default:
         all) that are still alive, and stop watching them."""
         for tensor in list(self._reported) if tensors is None else tensors:
-            watch = self._reported.pop(tensor, None)
-            pending = watch.detach() if watch is not None else None  # None: dropped, adopted then
-            if pending is not None:
-                self._adopt_report(*pending[2])
+            for watch in self._reported.pop(tensor, ()):
+                pending = watch.detach()  # None: dropped, and adopted then
+                if pending is not None:
+                    self._adopt_report(*pending[2])
 
     def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(remainders, tie words)`` of a parameter whose master is kept as remainders."""
@@ -321,8 +344,7 @@ class MasterWeights:
         ``torch.distributed`` the masters then keep it rather than start from the model.
         Nothing happens for a tensor without a master or a value of another shape.  A write
         into a reported value of ``tensor`` not adopted yet is dropped: this value is newer."""
-        watch = self._reported.pop(tensor, None)
-        if watch is not None:
+        for watch in self._reported.pop(tensor, ()):
             watch.detach()
         parts = self._remainders.get(tensor)
         master = self._value.get(tensor)

@@ -630,6 +630,69 @@ def test_r13b_state_dict_reports_writes_to_the_model_made_through_data(level, ro
         assert torch.equal(state["0.bias"], torch.full((8,), 0.75))
 
 
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+def test_r13b_a_direct_write_while_the_state_dict_is_alive_is_not_overwritten(level, remainders, caplog):
+    """Load a backbone through ``own_state[k].copy_``, then re-initialize the head directly while
+    the dict is still alive: torch ends with the head's new value, and so must ampinit (the
+    dict's write is adopted later, so the model's own write wins, with a warning); a tied weight
+    written through one of its keys is adopted too."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(8, 4)
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.wte.weight  # tied
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = Net()
+        opt = amp.optim.FusedAdamW(model.parameters(), lr=1e-2)
+        if use_amp:
+            extra = {"master_weights": "remainder"} if remainders else {}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **extra)
+        own_state = model.state_dict()
+        own_state["wte.weight"].copy_(torch.full((8, 4), 0.5))
+        own_state["body.weight"].copy_(torch.full((4, 4), 0.125))
+        with torch.no_grad():
+            model.body.weight.fill_(0.25)  # re-initialized while own_state is alive
+        del own_state
+        return {k: v.float() for k, v in model.state_dict().items()}, model.body.weight.float()
+
+    with caplog.at_level("WARNING", logger="ampinit"):
+        state, body = run(True)
+    ref_state, ref_body = run(False)
+    assert torch.equal(body, ref_body) and torch.equal(body, torch.full((4, 4), 0.25))
+    for key, want in ref_state.items():
+        if remainders:  # a direct write keeps the remainder the new weight is still the rounding of
+            assert torch.equal(state[key].bfloat16(), want.bfloat16()), key
+        else:
+            assert torch.equal(state[key], want), key
+    assert "body.weight was written both" in caplog.text
+
+
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+def test_r13b_state_dict_keep_vars_keeps_requires_grad(level, remainders):
+    """LoRA/PEFT save only what trains: ``{k: v for k, v in model.state_dict(keep_vars=True).items()
+    if v.requires_grad}``.  The FP32 values ampinit reports must keep each parameter's
+    requires_grad, as torch's Parameters do (they were detached: nothing was saved)."""
+    def trainable(use_amp):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].requires_grad_(False)
+        opt = amp.optim.FusedAdam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        if use_amp:
+            extra = {"master_weights": "remainder"} if remainders else {}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **extra)
+        return {k: v.detach().float() for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
+
+    got, want = trainable(True), trainable(False)
+    assert sorted(got) == sorted(want) == ["1.bias", "1.weight"]
+    for key in want:
+        assert torch.equal(got[key], want[key]) if not remainders else torch.equal(got[key].bfloat16(),
+                                                                                 want[key].bfloat16())
+
+
 # -- r13c: freezing through the optimizer's param_groups ---------------------------------------
 
 @pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
