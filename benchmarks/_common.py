@@ -36,6 +36,16 @@ def environment(device):
     return lines
 
 
+def print_table_head(title, device, columns):
+    """The heading, one line per fact about the machine (:func:`environment`), and the header
+    of a markdown table whose first column is text and the others numbers."""
+    print(f"{title}\n")
+    for line in environment(device):
+        print(f"- {line}")
+    print("\n| " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * (len(columns) - 1))
+
+
 def devices(requested):
     if requested == "all":
         return [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])

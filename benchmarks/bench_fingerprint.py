@@ -21,7 +21,7 @@ them: ``VmHWM`` (reset through ``/proc/self/clear_refs``) on CPU, ``max_memory_a
 import argparse
 
 import torch
-from _common import current_peak, environment, memory_now, reset_peak, timed
+from _common import current_peak, memory_now, print_table_head, reset_peak, timed
 
 from ampinit import _fallback, ops
 
@@ -73,12 +73,10 @@ def main():
     dtype = getattr(torch, args.dtype)
     tensors = [torch.randn(shape, generator=g).to(dtype).to(device) for shape in gpt2_shapes(args.quick)]
     n = sum(t.numel() for t in tensors)
-    print(f"## {device.type}: one write-detection cycle (mark + check) over {len(tensors)} {args.dtype} tensors, "
-          f"{n:,} elements ({'--quick' if args.quick else 'GPT-2 small'}), median of {args.repeats}\n")
-    for line in environment(device):
-        print(f"- {line}")
-    print("\n| method | ms per cycle | vs torch snapshot + equal | extra memory MiB |")
-    print("|---|---:|---:|---:|")
+    print_table_head(f"## {device.type}: one write-detection cycle (mark + check) over {len(tensors)} {args.dtype} "
+                     f"tensors, {n:,} elements ({'--quick' if args.quick else 'GPT-2 small'}), median of "
+                     f"{args.repeats}", device,
+                     ["method", "ms per cycle", "vs torch snapshot + equal", "extra memory MiB"])
     results = {}
     for name, cycle in cases(tensors).items():
         cycle()  # warm-up (the snapshot is allocated here: counted below as memory held)

@@ -25,7 +25,7 @@ import copy
 import functools
 
 import torch
-from _common import environment, timed
+from _common import print_table_head, timed
 from torch import nn
 
 import ampinit as amp
@@ -72,12 +72,10 @@ def main():
     args = parser.parse_args()
     device = torch.device("cpu")
     reference = make_model(args.layers, args.width)
-    print(f"## cpu: model.state_dict() and a timm ModelEmaV2 update, {len(reference.state_dict())} entries, "
-          f"{sum(p.numel() for p in reference.parameters()):,} parameters, median of {args.repeats}\n")
-    for line in environment(device):
-        print(f"- {line}")
-    print("\n| recipe | state_dict() ms | vs torch fp32 | EMA update ms | vs torch fp32 |")
-    print("|---|---:|---:|---:|---:|")
+    print_table_head(f"## cpu: model.state_dict() and a timm ModelEmaV2 update, {len(reference.state_dict())} "
+                     f"entries, {sum(p.numel() for p in reference.parameters()):,} parameters, median of "
+                     f"{args.repeats}", device,
+                     ["recipe", "state_dict() ms", "vs torch fp32", "EMA update ms", "vs torch fp32"])
     rows = {}
     for level in ["fp32"] + args.levels:
         model, ema = prepared(level, args.layers, args.width)
