@@ -298,7 +298,8 @@ class MasterWeights:
         docstring) for ``tensors`` (default: all).  The first call, at the first backward,
         compares every cast tensor; under ``torch.distributed`` it sets the masters that
         optimizers update to the model's values instead (unless a checkpoint was loaded).
-        No host sync.  Writes into what :meth:`report` handed out are adopted first."""
+        No host sync, except one fingerprint read per written value that :meth:`report` handed
+        out: those writes are adopted first (see :meth:`_adopt_report`)."""
         self._reporting = False  # a state_dict() that raised midway must not leave it set
         if self._reported:
             self._adopt_reported(None if tensors is None else list(tensors))
