@@ -358,8 +358,8 @@ def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Ten
 # remainder: bits(master) = (bits(weight) << 16) + remainder, mod 2^32.  A bfloat16 value of
 # even mantissa is the rounding of 65537 floats (both ties), one more than 16 bits can tell
 # apart, so one tie bit per element (int32 words, bit j % 32 of word j // 32) marks the upper
-# tie.  The fused optimizers join and split in their kernels; these two serve checkpoints and
-# setup, in torch (not on the hot path).
+# tie.  The fused optimizers join and split in their kernels; these two serve checkpoints,
+# state_dict() and setup, on the same kernels (an EMA reading state_dict() every step needs them).
 
 def new_remainders(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Zeroed remainders and tie words for a contiguous bfloat16 ``weight``: its master is the weight."""
@@ -387,11 +387,30 @@ def _check_remainder_lists(op: str, weights: Tensors, remainders: Tensors, ties:
                              f"weight {tuple(weight.shape)}")
 
 
+def _remainder_kernels(weights: Tensors, remainders: Tensors, ties: Tensors) -> bool:
+    """Whether the compiled join/split takes these rows: all on one device the extension was
+    built for, remainders and tie words contiguous (the fallback takes any layout)."""
+    if not weights:
+        return False
+    device = weights[0].device
+    return _built_for(device.type) and all(
+        weight.device == device and remainder.device == device and tie_words.device == device
+        and remainder.is_contiguous() and tie_words.is_contiguous()
+        for weight, remainder, tie_words in zip(weights, remainders, ties))
+
+
 def split_masters_(weights: Tensors, remainders: Tensors, ties: Tensors, masters: Tensors) -> None:
     """Write each FP32 ``masters[i]`` as ``weights[i]`` (bfloat16, round to nearest even) plus
     its remainders: :func:`join_masters` gives the master back bit for bit (NaN as bfloat16's NaN;
-    a master beyond bfloat16's range, which rounds to an inf weight, as that inf)."""
+    a master beyond bfloat16's range, which rounds to an inf weight, as that inf).  The tie
+    words are defined only where a remainder is -32768 (the compiled kernels write no other
+    bit; the fallback clears them).  No sync."""
     _check_remainder_lists("split_masters_", weights, remainders, ties, masters)
+    if _remainder_kernels(weights, remainders, ties):
+        values = [master.detach().to(device=weight.device, dtype=torch.float32).contiguous()
+                  for weight, master in zip(weights, masters)]
+        torch.ops.ampinit.split_masters_(list(weights), list(remainders), list(ties), values)
+        return
     for weight, remainder, tie_words, master in zip(weights, remainders, ties, masters):
         _fallback.split_master_(weight, remainder, tie_words, master)
 
@@ -399,6 +418,9 @@ def split_masters_(weights: Tensors, remainders: Tensors, ties: Tensors, masters
 def join_masters(weights: Tensors, remainders: Tensors, ties: Tensors) -> List[torch.Tensor]:
     """The FP32 masters of bfloat16 ``weights`` and their remainders, as new tensors.  A weight
     written since the split keeps its remainder only where it is finite and still the rounding
-    of weight + remainder; else the master is the weight itself (never NaN from a kept remainder)."""
+    of weight + remainder; else the master is the weight itself (never NaN from a kept remainder).
+    No sync."""
     _check_remainder_lists("join_masters", weights, remainders, ties)
+    if _remainder_kernels(weights, remainders, ties):
+        return list(torch.ops.ampinit.join_masters(list(weights), list(remainders), list(ties)))
     return [_fallback.join_master(w, r, t) for w, r, t in zip(weights, remainders, ties)]

@@ -163,6 +163,27 @@ inline void check_remainders(const char* op, at::TensorList params, at::TensorLi
   }
 }
 
+// ops.join_masters / split_masters_: one contiguous bfloat16 weight per row on `device`, with its
+// remainders and tie words as check_remainders wants them, and (split, `masters` not null) a
+// contiguous float32 master of the weight's size on the same device.
+inline void check_remainder_masters(const char* op, at::TensorList weights, at::TensorList remainders,
+                                    at::TensorList ties, const at::TensorList* masters, const at::Device& device) {
+  check_same_length(op, "weights", weights.size(), "remainders", remainders.size());
+  check_same_length(op, "weights", weights.size(), "ties", ties.size());
+  if (masters != nullptr) check_same_length(op, "weights", weights.size(), "masters", masters->size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    TORCH_CHECK(weights[i].device() == device, "ampinit.", op, ": weights[", i, "] is on ", weights[i].device(),
+                "; every tensor of one call must be on ", device);
+    if (masters == nullptr) continue;
+    const auto& master = (*masters)[i];
+    TORCH_CHECK(master.scalar_type() == at::kFloat && master.is_contiguous() && master.numel() == weights[i].numel() &&
+                    master.device() == device,
+                "ampinit.", op, ": masters[", i, "] must be a contiguous float32 tensor of its weight's size on ",
+                device);
+  }
+  check_remainders(op, weights, remainders, ties, {});
+}
+
 // The device-resident hyper-parameters of a capturable optimizer step: a contiguous float64
 // tensor of `count` values on the params' device.
 inline void check_hyper(const char* op, const std::optional<at::Tensor>& hyper, int64_t count, const char* layout,

@@ -39,6 +39,8 @@ TORCH_LIBRARY(ampinit, m) {
         "Tensor(d!)[] model_params, Tensor(f!)[] remainders, Tensor(g!)[] ties, float lr, float momentum, float dampening, float weight_decay, "
         "bool nesterov, Tensor inv_scale, Tensor found_inf, Tensor(e!)[] new_buffer_flags, "
         "Tensor? hyper=None) -> ()");
+  m.def("join_masters(Tensor[] weights, Tensor[] remainders, Tensor[] ties) -> Tensor[]");
+  m.def("split_masters_(Tensor(a!)[] weights, Tensor(b!)[] remainders, Tensor(c!)[] ties, Tensor[] masters) -> ()");
 }
 
 namespace {

@@ -180,6 +180,32 @@ def _interleaved(count, seed):
     return [(torch.randn(n, generator=g) * 10).to(DTYPES[i % 3]).cuda() for i, n in enumerate(sizes)]
 
 
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (1, 3, 2), (3, 0, 1), (2, 2, 3)])
+def test_misaligned_split_and_join_of_remainder_masters(offsets, param_space):
+    """ops.split_masters_ then join_masters with the weight, the remainders and the masters each
+    at its own offset (vector path for some, scalar for others), planted ties of both kinds:
+    bit for bit the fallback's, every master back exactly."""
+    weight_at, remainder_at, master_at = offsets
+    g = torch.Generator().manual_seed(7)
+    bits = (torch.randn(N, generator=g) * 100).view(torch.int32).clone()
+    bits[::5] = ((bits[::5] >> 16) | 2) << 16 | 0x8000  # ties: half lower, half upper
+    bits[1::10] = (((bits[1::10] >> 16) & ~1) | 2) << 16 | 0x8000
+    values = _view_at(bits.view(torch.float32).cuda(), master_at)
+    weight = _view_at(torch.zeros(N, dtype=torch.bfloat16, device="cuda"), weight_at)
+    remainder = _view_at(torch.zeros(N, dtype=torch.int16, device="cuda"), remainder_at)
+    ties = torch.zeros((N + 31) // 32, dtype=torch.int32, device="cuda")
+    ops.split_masters_([weight], [remainder], [ties], [values])
+    ref_weight = torch.zeros(N, dtype=torch.bfloat16, device="cuda")
+    ref_remainder, ref_ties = ops.new_remainders(ref_weight)
+    _fallback.split_master_(ref_weight, ref_remainder, ref_ties, values)
+    assert torch.equal(weight.view(torch.int16), ref_weight.view(torch.int16))
+    assert torch.equal(remainder, ref_remainder)
+    assert int((remainder == -32768).sum()) > 1000
+    joined = ops.join_masters([weight], [remainder], [ties])[0]
+    assert torch.equal(joined.view(torch.int32), values.view(torch.int32))
+    assert torch.equal(joined.view(torch.int32), _fallback.join_master(weight, remainder, ties).view(torch.int32))
+
+
 @pytest.mark.parametrize("count", [700, 2500])
 def test_interleaved_dtypes_many_launches(count, param_space):
     """More tensors than one launch holds in either space, three dtypes interleaved (one
@@ -315,6 +341,35 @@ def test_graph_replay_of_fingerprint_and_adopt():
         assert torch.equal(now, expected_marks)
         assert now.ne(marks).nonzero().flatten().tolist() == written
         assert all(torch.equal(m, e) for m, e in zip(masters, expected))
+
+
+def test_graph_replay_of_split_and_join():
+    """split_masters_ then join_masters captured once, replayed on new masters: the eager
+    fallback's weights and every master back bit for bit; no host sync on the way."""
+    sizes = (N, 33, 4097)
+    masters = [_random(n, torch.float32, 60 + i) for i, n in enumerate(sizes)]
+    weights = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+    rests = [ops.new_remainders(w) for w in weights]
+    remainders, ties = [r for r, _ in rests], [t for _, t in rests]
+
+    def split_join():
+        ops.split_masters_(weights, remainders, ties, masters)
+        return ops.join_masters(weights, remainders, ties)
+
+    graph, joined = _capture(split_join)
+    for trial in range(2):
+        for i, m in enumerate(masters):
+            m.copy_(_random(m.numel(), torch.float32, 70 + 10 * trial + i))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        for m, w, j in zip(masters, weights, joined):
+            assert torch.equal(w.view(torch.int16), m.to(torch.bfloat16).view(torch.int16))
+            assert torch.equal(j.view(torch.int32), m.view(torch.int32))
 
 
 def test_graph_replay_of_update_scale():

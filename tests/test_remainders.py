@@ -82,6 +82,73 @@ def test_nan_masters_split_to_nan_weights():
     assert torch.isnan(weight[0]) and torch.isnan(joined[0]) and torch.isnan(joined[2]) and joined[1] == 1.0
 
 
+def _tie_bits_where_read(remainder, ties):
+    """The tie bit of each element whose remainder is -32768 (the only ones any reader looks at)."""
+    words = ties.view(-1).to(torch.int64) & 0xFFFFFFFF
+    index = torch.arange(remainder.numel(), device=ties.device)
+    bits = (words[index // 32] >> (index % 32)) & 1
+    return torch.where(remainder.view(-1) == -32768, bits, torch.zeros_like(bits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_split_and_join_match_the_fallback_bitwise(device):
+    """ops.split_masters_ / join_masters on the compiled kernels against the torch fallback, on
+    sizes around the vector steps and the CPU chunks, planted ties of both kinds, inf/NaN,
+    masters beyond bfloat16's range, non-contiguous and 16-bit masters; then a join of stale
+    state (random weights, remainders and tie words: weights written since the split)."""
+    _kernels_or_skip(device, True)
+    generator = torch.Generator().manual_seed(3)
+    sizes = [1, 15, 16, 17, 33, 32768 + 45, 70001]
+    masters = [_with_ties(torch.randn(n, generator=generator) * 10.0 ** float(i - 3), every=5) for i, n in
+               enumerate(sizes)]
+    masters[1] = _special_values()[-15:]
+    masters[4] = _special_values()[:33]
+    masters = [m.to(device) for m in masters]
+    masters.append(torch.randn(24, 40, generator=generator).to(device).t())  # non-contiguous
+    masters.append(torch.randn(300, generator=generator).to(device).half())  # a 16-bit master
+    results = []
+    for use_kernels in (True, False):
+        weights = [torch.full(m.shape, 7.0, dtype=torch.bfloat16, device=device) for m in masters]
+        rests = [ops.new_remainders(w) for w in weights]
+        if use_kernels:
+            assert ops._remainder_kernels(weights, [r for r, _ in rests], [t for _, t in rests])
+            ops.split_masters_(weights, [r for r, _ in rests], [t for _, t in rests], masters)
+        else:
+            for w, (r, t), m in zip(weights, rests, masters):
+                _fallback.split_master_(w, r, t, m)
+        results.append((weights, rests))
+    for i, ((w1, (r1, t1)), (w2, (r2, t2))) in enumerate(zip(zip(*results[0]), zip(*results[1]))):
+        _assert_bitwise(w1, w2, f"weight {i}")
+        _assert_bitwise(r1, r2, f"remainder {i}")
+        assert torch.equal(_tie_bits_where_read(r1, t1), _tie_bits_where_read(r2, t2)), f"tie bits {i}"
+    weights, rests = results[0]
+    assert sum(int((r == -32768).sum()) for r, _ in rests) > 100  # both ties were planted
+    joined = ops.join_masters(weights, [r for r, _ in rests], [t for _, t in rests])
+    for i, (got, w, (r, t)) in enumerate(zip(joined, weights, rests)):
+        _assert_bitwise(got, _fallback.join_master(w, r, t), f"joined {i}")
+        assert got.shape == w.shape and got.device == w.device
+    # stale state: every weight bit pattern, every remainder, random tie words
+    n = 65536 + 77
+    weight = torch.arange(n, dtype=torch.int32).remainder(65536).to(torch.int16).view(torch.bfloat16).to(device)
+    remainder = torch.randint(-32768, 32768, (n,), dtype=torch.int32, generator=generator).to(torch.int16)
+    remainder[::3] = -32768
+    remainder = remainder.to(device)
+    ties = torch.randint(-2 ** 31, 2 ** 31, ((n + 31) // 32,), dtype=torch.int64, generator=generator)
+    ties = ties.to(torch.int32).to(device)
+    got = ops.join_masters([weight], [remainder], [ties])[0]
+    _assert_bitwise(got, _fallback.join_master(weight, remainder, ties), "joined stale state")
+
+
+def test_join_and_split_take_the_fallback_for_layouts_the_kernels_do_not():
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    remainder = torch.zeros(64, 2, dtype=torch.int16)[:, 0]  # strided
+    ties = torch.zeros(2, dtype=torch.int32)
+    assert not ops._remainder_kernels([weight], [remainder], [ties])
+    ops.split_masters_([weight], [remainder], [ties], [torch.full((64,), 1.0 + 2 ** -12)])
+    assert torch.equal(ops.join_masters([weight], [remainder], [ties])[0], torch.full((64,), 1.0 + 2 ** -12))
+    assert ops.join_masters([], [], []) == []
+
+
 # -- the kernels: remainders against FP32 masters, bit for bit --------------------------------------
 
 def _kernels_or_skip(device, use_kernels):

@@ -76,6 +76,11 @@ struct KernelTable {
   // One SGD update; `momentum_buffer` is null without momentum.
   void (*sgd)(const SgdParams& p, const OptimizerTypes& types, void* param, const MasterRemainder& r,
               const void* grad, void* momentum_buffer, void* model, int64_t n);
+  // master = the FP32 master of a bfloat16 weight and its remainders (ops.join_masters).
+  void (*join_masters)(const void* weight, const MasterRemainder& r, float* master, int64_t n);
+  // weight, remainders and tie bits = the split of master (ops.split_masters_): the tie bits are
+  // written only where the remainder is -32768, the only place they are read.
+  void (*split_masters)(const float* master, void* weight, const MasterRemainder& r, int64_t n);
 };
 
 const KernelTable& default_kernels();

@@ -396,6 +396,24 @@ inline void store_param(P* param, const MasterRemainder& r, int64_t i, int64_t c
   }
 }
 
+// The join and the split alone, for checkpoints and state_dict() (ops.join_masters /
+// split_masters_): the optimizers' own load_param / store_param over a range.
+inline void join_masters(const c10::BFloat16* weight, const MasterRemainder& r, float* master, int64_t n) {
+  for_each_step(n, [&](int64_t i, int64_t count) {
+    FloatVec lo, hi;
+    load_param<c10::BFloat16, true>(weight, r, i, count, lo, hi);
+    store_n(master + i, count, lo, hi);
+  });
+}
+
+inline void split_masters(const float* master, c10::BFloat16* weight, const MasterRemainder& r, int64_t n) {
+  for_each_step(n, [&](int64_t i, int64_t count) {
+    FloatVec lo, hi;
+    load_n(master + i, count, lo, hi);
+    store_param<c10::BFloat16, true>(weight, r, i, count, lo, hi);
+  });
+}
+
 // -- stochastic rounding of bfloat16 moments (why and how: master_bits.h) -----------------------
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -652,6 +670,12 @@ inline const KernelTable& table(const char* name) {
           sgd<P, G, S, M, decltype(remainder)::value>(p, static_cast<P*>(param), r, static_cast<const G*>(grad),
                                                       static_cast<S*>(buffer), static_cast<M*>(model), n);
         });
+      },
+      [](const void* weight, const MasterRemainder& r, float* master, int64_t n) {
+        join_masters(static_cast<const c10::BFloat16*>(weight), r, master, n);
+      },
+      [](const float* master, void* weight, const MasterRemainder& r, int64_t n) {
+        split_masters(master, static_cast<c10::BFloat16*>(weight), r, n);
       },
   };
   return kernels;

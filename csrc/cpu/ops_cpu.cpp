@@ -385,6 +385,31 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   for (const auto& flag : new_buffer_flags) flag.data_ptr<float>()[0] = 0.0f;  // applied: no longer new
 }
 
+std::vector<at::Tensor> join_masters(at::TensorList weights, at::TensorList remainders, at::TensorList ties) {
+  check_remainder_masters("join_masters", weights, remainders, ties, nullptr, at::kCPU);
+  std::vector<at::Tensor> masters;
+  masters.reserve(weights.size());
+  for (const auto& weight : weights) masters.push_back(at::empty(weight.sizes(), weight.options().dtype(at::kFloat)));
+  const auto& k = kernels();
+  for_each_chunk(weights.vec(), [&](const Chunk& c) {
+    k.join_masters(at_offset(weights[c.tensor], c.begin), remainder_at(remainders, ties, c.tensor, c.begin),
+                   at_offset<float>(masters[c.tensor], c.begin), c.size);
+    return false;
+  });
+  return masters;
+}
+
+void split_masters_(at::TensorList weights, at::TensorList remainders, at::TensorList ties, at::TensorList masters) {
+  check_remainder_masters("split_masters_", weights, remainders, ties, &masters, at::kCPU);
+  const auto& k = kernels();
+  // kChunk is a multiple of 32: no two chunks share a tie word (set_tie_bit is atomic anyway)
+  for_each_chunk(weights.vec(), [&](const Chunk& c) {
+    k.split_masters(at_offset<float>(masters[c.tensor], c.begin), at_offset(weights[c.tensor], c.begin),
+                    remainder_at(remainders, ties, c.tensor, c.begin), c.size);
+    return false;
+  });
+}
+
 }  // namespace
 
 std::string kernel_name() { return kernels().name; }
@@ -400,6 +425,8 @@ TORCH_LIBRARY_IMPL(ampinit, CPU, m) {
   m.impl("update_scale_", &update_scale_);
   m.impl("fused_adam_", &fused_adam_);
   m.impl("fused_sgd_", &fused_sgd_);
+  m.impl("join_masters", &join_masters);
+  m.impl("split_masters_", &split_masters_);
 }
 
 }  // namespace ampinit::cpu

@@ -249,6 +249,38 @@ struct ChunkParams<at::BFloat16, true> {
   }
 };
 
+// The join or the split alone (ops.join_masters / split_masters_). Lists: weight (bfloat16),
+// remainder, ties, master (float32); the optimizers' ChunkParams does the bits.
+template <bool Join>
+struct RemainderMastersFunctor {
+  template <typename Meta>
+  __device__ void operator()(const Meta& meta, int t, int64_t chunk) const {
+    const ChunkRange range(meta.sizes[t], chunk);
+    at::BFloat16* weight_ptr = static_cast<at::BFloat16*>(meta.addresses[0][t]) + range.start;
+    float* master_ptr = static_cast<float*>(meta.addresses[3][t]) + range.start;
+    const int head = head_for(weight_ptr, master_ptr);  // aligns the float32 masters
+    const ChunkParams<at::BFloat16, true> weight(meta, t, range, weight_ptr, head, 1);
+    const ArrayRef<float> master(master_ptr, head);
+    float v[kUnroll][kILP];
+    for_each_pack(
+        Split(range.length, head),
+        [&](int u, int64_t i, int count) {
+          if constexpr (Join) {
+            weight.load(v[u], i, count);
+          } else {
+            load(v[u], master, i, count);
+          }
+        },
+        [&](int u, int64_t i, int count) {
+          if constexpr (Join) {
+            store(master, i, v[u], count);
+          } else {
+            weight.store(i, v[u], count);
+          }
+        });
+  }
+};
+
 // Lists: param, grad, exp_avg, exp_avg_sq[, model][, remainder, ties] (a model copy and
 // remainders never come together); meta.scalars[0]: the step counters (not yet advanced for
 // this step).  With stochastic_state (and bfloat16 state) the moments are rounded
@@ -558,11 +590,41 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   rows.finish();
 }
 
+template <bool Join>
+void launch_remainder_masters(at::TensorList weights, at::TensorList remainders, at::TensorList ties,
+                              at::TensorList masters) {
+  const c10::cuda::CUDAGuard guard(weights[0].device());
+  const std::vector<std::vector<at::Tensor>> lists = {weights.vec(), remainders.vec(), ties.vec(), masters.vec()};
+  std::vector<int32_t> indices(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) indices[i] = static_cast<int32_t>(i);
+  launch<4>(lists, {}, indices, RemainderMastersFunctor<Join>{});
+}
+
+std::vector<at::Tensor> join_masters(at::TensorList weights, at::TensorList remainders, at::TensorList ties) {
+  std::vector<at::Tensor> masters;
+  if (weights.empty()) return masters;
+  const at::Device device = cuda_device_of("join_masters", {weights});
+  check_remainder_masters("join_masters", weights, remainders, ties, nullptr, device);
+  masters.reserve(weights.size());
+  for (const auto& weight : weights) masters.push_back(at::empty(weight.sizes(), weight.options().dtype(at::kFloat)));
+  launch_remainder_masters<true>(weights, remainders, ties, masters);
+  return masters;
+}
+
+void split_masters_(at::TensorList weights, at::TensorList remainders, at::TensorList ties, at::TensorList masters) {
+  if (weights.empty()) return;
+  const at::Device device = cuda_device_of("split_masters_", {weights});
+  check_remainder_masters("split_masters_", weights, remainders, ties, &masters, device);
+  launch_remainder_masters<false>(weights, remainders, ties, masters);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ampinit, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_);
   m.impl("fused_sgd_", &fused_sgd_);
+  m.impl("join_masters", &join_masters);
+  m.impl("split_masters_", &split_masters_);
 }
 
 }  // namespace ampinit::cuda
