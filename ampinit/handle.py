@@ -96,6 +96,25 @@ class _ReportingWindow:
             handle.masters.set_reporting(self.opening)
 
 
+class _AdoptWrittenReports:
+    """Forward pre-hook of an initialized model: values of ``model.state_dict()`` written in
+    place while the dict is still alive reach the model before it computes (else the forward
+    would use the old weights until the dict is dropped or the next step).  A dictionary check
+    per forward when no dict is alive; skipped while ``torch.compile`` traces (a compiled
+    forward sees such writes at the next sync instead: the dict dropped, ``step()``,
+    ``model.state_dict()``)."""
+
+    def __init__(self, link: _HandleLink):
+        self.link = link
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        handle = self.link.handle
+        if handle is not None and handle.masters is not None and handle.masters.has_reports:
+            handle.masters.adopt_written_reports()
+
+
 class _LoadFP32Values:
     """``model.load_state_dict()`` hook of one module: cast tensors load their FP32 values too,
     so a checkpoint's full-precision values are not lost to the model's rounding."""
@@ -423,6 +442,7 @@ class AmpHandle:
             hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, list(owned))))
         # after the model's own value hook (hooks run in the order registered; the root's last)
         hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
+        hooks.append(model.register_forward_pre_hook(_AdoptWrittenReports(self._link)))
         return hooks
 
     def state_dict(self) -> Dict[str, Any]:

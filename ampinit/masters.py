@@ -67,6 +67,13 @@ def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
     return tensor._version, tensor.data_ptr(), tensor.stride()
 
 
+def _unwritten(watch: weakref.finalize) -> bool:
+    """Whether the reported value a watch of ``MasterWeights.report`` holds is alive and was not
+    written since (its version counter unchanged)."""
+    pending = watch.peek()
+    return pending is not None and pending[2][1]._version == pending[2][2]
+
+
 def _joined(weight: torch.Tensor, parts: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The FP32 master of a bfloat16 weight kept with remainders, in the weight's layout.  A
     weight whose memory format changed since ``initialize`` (channels_last) keeps remainders in
@@ -216,6 +223,31 @@ class MasterWeights:
                 pending = watch.detach()  # None: dropped, and adopted then
                 if pending is not None:
                     self._adopt_report(*pending[2])
+
+    @property
+    def has_reports(self) -> bool:
+        """Whether values :meth:`report` handed out are still watched."""
+        return bool(self._reported)
+
+    def adopt_written_reports(self) -> None:
+        """Adopt the reported values written in place since they were handed out, and keep
+        watching the others: the model's forward calls it, so that a forward made while a
+        written ``state_dict()`` is still alive computes with the written values.  Reads version
+        counters only (one host fingerprint read per written value, see :meth:`_adopt_report`)."""
+        for tensor in list(self._reported):
+            watches = self._reported[tensor]
+            done = [watch for watch in watches if not _unwritten(watch)]
+            if not done:
+                continue
+            # load() (in _adopt_report) stops every watch of its tensor: set the unwritten ones aside
+            kept = [watch for watch in watches if watch not in done]
+            del self._reported[tensor]
+            for watch in done:
+                pending = watch.detach()  # None: dropped, and adopted then
+                if pending is not None:
+                    self._adopt_report(*pending[2])
+            if kept:
+                self._reported.setdefault(tensor, []).extend(kept)
 
     def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(remainders, tie words)`` of a parameter whose master is kept as remainders."""

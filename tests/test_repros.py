@@ -557,12 +557,13 @@ def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
 # -- r13b: writes through model.state_dict() --------------------------------------------------
 
 @pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
-@pytest.mark.parametrize("idiom", ["one_line", "own_state_loop", "kept_dict", "inference_mode"])
+@pytest.mark.parametrize("idiom", ["one_line", "own_state_loop", "kept_dict", "inference_mode", "kept_alive"])
 def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, remainders, idiom):
     """torch's state_dict aliases the model, and older repos load partial weights through it
     (``own_state[name].copy_(param)``); the same run with ``load_state_dict`` is the reference.
     At O2/O5 the reported values are the FP32 masters (a joined copy with remainders): the
-    write must reach the model before its next forward, and the master too."""
+    write must reach the model before its next forward, and the master too ("kept_alive": the
+    dict outlives the whole run, nothing but the forward adopts it)."""
     def run(write):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -572,15 +573,19 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         pretrained = {"2.weight": torch.linspace(-1, 1, 16).reshape(2, 8), "2.bias": torch.tensor([0.3, -0.7])}
         write(model, pretrained)
         dtype = next(model.parameters()).dtype
-        assert torch.equal(model[2].weight, pretrained["2.weight"].to(dtype))  # before any forward
+        if idiom != "kept_alive":
+            assert torch.equal(model[2].weight, pretrained["2.weight"].to(dtype))  # before any forward
         gen = torch.Generator().manual_seed(1)
+        outputs = []
         for _ in range(3):
             x = torch.randn(16, 4, generator=gen).to(dtype)
             opt.zero_grad()
-            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            out = model(x).float()
+            outputs.append(out.detach().clone())
+            with amp.scale_loss(out.pow(2).mean(), opt) as scaled:
                 scaled.backward()
             opt.step()
-        return [p.detach().clone() for p in model.parameters()], model.state_dict()
+        return [p.detach().clone() for p in model.parameters()] + outputs, model.state_dict()
 
     def reference(model, pretrained):
         model.load_state_dict(pretrained, strict=False)
@@ -595,11 +600,15 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
             for name, value in pretrained.items():
                 own_state[name].copy_(value)
             del own_state
-        else:  # the dict is kept alive: the next state_dict() (below, before the forward) adopts
+        elif idiom == "kept_dict":  # the dict is kept alive: the next state_dict() (before the forward) adopts
             through_state_dict.kept = model.state_dict()
             for name, value in pretrained.items():
                 through_state_dict.kept[name].copy_(value)
             model.state_dict()
+        else:  # kept alive through training: the forward adopts
+            through_state_dict.kept = model.state_dict()
+            for name, value in pretrained.items():
+                through_state_dict.kept[name].copy_(value)
 
     expected_params, expected_state = run(reference)
     params, state = run(through_state_dict)
