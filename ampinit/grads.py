@@ -388,9 +388,9 @@ class GradientFlow:
                     model.grad = stashed
                     self._note_bf16_sum(model)
                 continue
-            if grad is not None and not master.requires_grad:
-                # frozen through the optimizer (param_groups hold the masters): as in torch, the
-                # optimizer must not see a gradient; the model's is dropped, not unscaled
+            if self.masters is not None and not self.masters.settle_requires_grad(model, master):
+                # frozen (through the optimizer too: param_groups hold the masters): as in torch,
+                # the optimizer must not see a gradient; the model's is dropped, not unscaled
                 model.grad = grad = None
             if grad is None:  # not reached by this loss
                 self._park(model, master)

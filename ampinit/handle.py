@@ -96,13 +96,18 @@ class _ReportingWindow:
             handle.masters.set_reporting(self.opening)
 
 
-class _AdoptWrittenReports:
-    """Forward pre-hook of an initialized model: values of ``model.state_dict()`` written in
-    place while the dict is still alive reach the model before it computes (else the forward
-    would use the old weights until the dict is dropped or the next step).  A dictionary check
-    per forward when no dict is alive; skipped while ``torch.compile`` traces (a compiled
-    forward sees such writes at the next sync instead: the dict dropped, ``step()``,
-    ``model.state_dict()``)."""
+class _BeforeForward:
+    """Forward pre-hook of an initialized model with masters, for what the model and its
+    masters must agree on before it computes:
+
+    - values of ``model.state_dict()`` written in place while the dict is still alive (else
+      the forward would use the old weights until the dict is dropped or the next step);
+    - ``requires_grad`` set on either a parameter or its master (``param_groups``), so the
+      forward computes the gradients the optimizer will use, as with torch's one object.
+
+    Python checks of two flags per parameter, no tensor work unless something changed.
+    Skipped while ``torch.compile`` traces: a compiled forward sees such writes at the next
+    sync (the dict dropped, ``step()``, ``model.state_dict()``) and flags at the backward."""
 
     def __init__(self, link: _HandleLink):
         self.link = link
@@ -111,7 +116,10 @@ class _AdoptWrittenReports:
         if torch.compiler.is_compiling():
             return
         handle = self.link.handle
-        if handle is not None and handle.masters is not None and handle.masters.has_reports:
+        if handle is None or handle.masters is None:
+            return
+        handle.masters.settle_all_requires_grad()
+        if handle.masters.has_reports:
             handle.masters.adopt_written_reports()
 
 
@@ -442,7 +450,7 @@ class AmpHandle:
             hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, list(owned))))
         # after the model's own value hook (hooks run in the order registered; the root's last)
         hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
-        hooks.append(model.register_forward_pre_hook(_AdoptWrittenReports(self._link)))
+        hooks.append(model.register_forward_pre_hook(_BeforeForward(self._link)))
         return hooks
 
     def state_dict(self) -> Dict[str, Any]:

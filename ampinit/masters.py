@@ -115,6 +115,11 @@ class MasterWeights:
         # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
         self._reported: Dict[torch.Tensor, List[weakref.finalize]] = {}
         self._reporting = False  # inside a model.state_dict() that synced every tensor first
+        # model parameter -> the requires_grad it and its master had when ampinit last looked
+        self._requires_grad: Dict[torch.Tensor, bool] = {}
+        # (models, masters, requires_grad last seen) of the FP32-master parameters, for a check
+        # per forward in list comprehensions; None: rebuilt at the next check
+        self._flags: Optional[Tuple[List[torch.Tensor], List[torch.Tensor], List[bool]]] = None
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -124,7 +129,9 @@ class MasterWeights:
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value.data, requires_grad=tensor.requires_grad)
             self._model_of[value] = tensor
+            self._requires_grad[tensor] = tensor.requires_grad
         self._value[tensor] = value
+        self._flags = None
         return value
 
     def keep_as_remainders(self) -> None:
@@ -140,6 +147,7 @@ class MasterWeights:
                 self.without_remainders.append(tensor)
                 continue
             value = self._value.pop(tensor)
+            self._flags = None
             self._model_of.pop(value, None)
             remainder, ties = ops.new_remainders(tensor)
             with torch.no_grad():
@@ -224,6 +232,37 @@ class MasterWeights:
                 if pending is not None:
                     self._adopt_report(*pending[2])
 
+    def settle_requires_grad(self, model: torch.Tensor, master: torch.Tensor) -> bool:
+        """One ``requires_grad`` for a parameter and its master, as torch has one for the one
+        object that model and optimizer share there: whichever of the two was set since ampinit
+        last looked wins (the model's, if both were), and both take it; returns it.  So a layer
+        frozen before ``initialize`` and unfrozen through the model trains again, and one
+        frozen through ``optimizer.param_groups`` (the masters) stops computing gradients."""
+        if model is master:
+            return model.requires_grad
+        seen = self._requires_grad.get(model)
+        value = model.requires_grad if model.requires_grad != seen else master.requires_grad
+        if model.requires_grad != value:
+            model.requires_grad_(value)
+        if master.requires_grad != value:
+            master.requires_grad_(value)
+        if seen != value:
+            self._requires_grad[model] = value
+            self._flags = None
+        return value
+
+    def settle_all_requires_grad(self) -> None:
+        """:meth:`settle_requires_grad` for every parameter with an FP32 master: before a
+        forward, so that the flag set on either side decides which gradients it computes."""
+        if self._flags is None:
+            models = [model for model in self._requires_grad if model in self._value]
+            self._flags = (models, [self._value[m] for m in models], [self._requires_grad[m] for m in models])
+        models, masters, seen = self._flags
+        if [m.requires_grad for m in models] == seen and [m.requires_grad for m in masters] == seen:
+            return
+        for model, master in zip(models, masters):
+            self.settle_requires_grad(model, master)
+
     @property
     def has_reports(self) -> bool:
         """Whether values :meth:`report` handed out are still watched."""
@@ -305,6 +344,7 @@ class MasterWeights:
             self._added.discard(param)
             self._remainders.pop(param, None)
             master = self._value.pop(param, None)
+            self._flags = None
             self._model_of.pop(master, None)
             self._marks.pop(param, None)
             self._cast_dtype.pop(param, None)

@@ -1128,3 +1128,66 @@ def test_structured_data_writes_to_the_model_are_adopted(level, case):
     changed = written != before  # where the write left the 16-bit value alone, the master keeps its digits
     assert changed.any() and torch.equal(value[changed], written[changed].float())
     assert torch.equal(value.to(written.dtype), written)
+
+
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+@pytest.mark.parametrize("unfreeze", ["model", "staged_group", "param_groups"])
+def test_r13d_a_layer_frozen_before_initialize_trains_once_unfrozen(level, remainders, unfreeze):
+    """Fine-tuning in stages: a backbone frozen before ``initialize`` (its master was made with
+    ``requires_grad=False``) and unfrozen later, through the model, with a staged
+    ``add_param_group``, or through ``param_groups``.  It never trained again at O2/O5; the
+    reference is the same run frozen just after ``initialize`` (bit for bit), and FP32 torch."""
+    def run(level, frozen_before):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        if frozen_before:
+            model[0].requires_grad_(False)
+        staged = unfreeze == "staged_group"
+        cls = amp.optim.FusedAdam if remainders else torch.optim.Adam
+        opt = cls(model[2].parameters() if staged else model.parameters(), lr=1e-2)
+        if level is not None:
+            extra = {"master_weights": "remainder"} if remainders else {}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+        if not frozen_before:
+            model[0].requires_grad_(False)
+        gen = torch.Generator().manual_seed(1)
+
+        def step():
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            opt.zero_grad()
+            loss = (model(x.to(next(model.parameters()).dtype)).float() - y).pow(2).mean()
+            if level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        if unfreeze == "param_groups" and not staged:
+            backbone = {id(p) for p in model[0].parameters()}
+            masters = [p for g in opt.param_groups for p in g["params"]
+                       if id(getattr(amp.handle_of(model).masters, "model_of", {}).get(p, p)) in backbone] \
+                if level is not None else list(model[0].parameters())
+            assert len(masters) == 2
+            for p in masters:
+                p.requires_grad_(True)
+        else:
+            model[0].requires_grad_(True)
+        if staged:
+            opt.add_param_group({"params": list(model[0].parameters())})
+        before = model[0].weight.detach().float().clone()
+        for _ in range(5):
+            step()
+        assert model[0].weight.requires_grad
+        return [p.detach().float().clone() for p in model.parameters()], before
+
+    got, before = run(level, frozen_before=True)
+    want, _ = run(level, frozen_before=False)
+    fp32, _ = run(None, frozen_before=True)
+    assert (got[0] - before).abs().max() > 0.03  # it trains again
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for g, f in zip(got, fp32):
+        assert torch.allclose(g, f, atol=0.02)
