@@ -103,9 +103,11 @@ class _BeforeForward:
     - values of ``model.state_dict()`` written in place while the dict is still alive (else
       the forward would use the old weights until the dict is dropped or the next step);
     - ``requires_grad`` set on either a parameter or its master (``param_groups``), so the
-      forward computes the gradients the optimizer will use, as with torch's one object.
+      forward computes the gradients the optimizer will use, as with torch's one object;
+    - masters written outside ``step()`` (SAM's perturbation), copied into the model.
 
-    Python checks of two flags per parameter, no tensor work unless something changed.
+    Python checks of two flags and a version counter per parameter, no tensor work unless
+    something changed (see ``MasterWeights.before_forward``).
     Skipped while ``torch.compile`` traces: a compiled forward sees such writes at the next
     sync (the dict dropped, ``step()``, ``model.state_dict()``) and flags at the backward."""
 
@@ -118,7 +120,7 @@ class _BeforeForward:
         handle = self.link.handle
         if handle is None or handle.masters is None:
             return
-        handle.masters.settle_all_requires_grad()
+        handle.masters.before_forward()
         if handle.masters.has_reports:
             handle.masters.adopt_written_reports()
 

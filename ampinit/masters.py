@@ -67,6 +67,18 @@ def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
     return tensor._version, tensor.data_ptr(), tensor.stride()
 
 
+class _ForwardChecks:
+    """The parameters with FP32 masters as lists, for :meth:`MasterWeights.before_forward`:
+    the ``requires_grad`` both had and the master's version counter when ampinit last saw them
+    agree, compared in list comprehensions (rebuilt when a master is added or removed, or a
+    flag settles)."""
+
+    def __init__(self, models: List[torch.Tensor], masters: List[torch.Tensor], flags: List[bool],
+                 versions: List[int]):
+        self.models, self.masters, self.flags, self.versions = models, masters, flags, versions
+        self.index = {model: i for i, model in enumerate(models)}
+
+
 def _unwritten(watch: weakref.finalize) -> bool:
     """Whether the reported value a watch of ``MasterWeights.report`` holds is alive and was not
     written since (its version counter unchanged)."""
@@ -117,9 +129,9 @@ class MasterWeights:
         self._reporting = False  # inside a model.state_dict() that synced every tensor first
         # model parameter -> the requires_grad it and its master had when ampinit last looked
         self._requires_grad: Dict[torch.Tensor, bool] = {}
-        # (models, masters, requires_grad last seen) of the FP32-master parameters, for a check
-        # per forward in list comprehensions; None: rebuilt at the next check
-        self._flags: Optional[Tuple[List[torch.Tensor], List[torch.Tensor], List[bool]]] = None
+        # model parameter -> its master's version counter when ampinit last made the two agree
+        self._master_version: Dict[torch.Tensor, int] = {}
+        self._flags: Optional[_ForwardChecks] = None  # None: rebuilt at the next forward
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
@@ -251,17 +263,39 @@ class MasterWeights:
             self._flags = None
         return value
 
-    def settle_all_requires_grad(self) -> None:
-        """:meth:`settle_requires_grad` for every parameter with an FP32 master: before a
-        forward, so that the flag set on either side decides which gradients it computes."""
+    def _forward_checks(self) -> "_ForwardChecks":
         if self._flags is None:
             models = [model for model in self._requires_grad if model in self._value]
-            self._flags = (models, [self._value[m] for m in models], [self._requires_grad[m] for m in models])
-        models, masters, seen = self._flags
-        if [m.requires_grad for m in models] == seen and [m.requires_grad for m in masters] == seen:
+            self._flags = _ForwardChecks(models, [self._value[m] for m in models],
+                                         [self._requires_grad[m] for m in models],
+                                         [self._master_version.get(m, -1) for m in models])
+        return self._flags
+
+    def before_forward(self) -> None:
+        """What a forward of the model needs of the parameters with FP32 masters, in Python
+        checks of two flags and a version counter per parameter:
+
+        - :meth:`settle_requires_grad` where either flag changed;
+        - a master written since ampinit last made it and the model agree (through
+          ``param_groups`` outside ``step()``: SAM's ``first_step`` perturbation, clamping
+          ``amp.master_params``) is copied into the model, as the one object of torch would
+          compute with it; a model parameter written too keeps its own value (adopted later).
+        """
+        checks = self._forward_checks()
+        if [m.requires_grad for m in checks.models] != checks.flags or \
+                [m.requires_grad for m in checks.masters] != checks.flags:
+            for model, master in zip(checks.models, checks.masters):
+                self.settle_requires_grad(model, master)
+            checks = self._forward_checks()
+        versions = [m._version for m in checks.masters]
+        if versions == checks.versions:
             return
-        for model, master in zip(models, masters):
-            self.settle_requires_grad(model, master)
+        written = [model for model, now, then in zip(checks.models, versions, checks.versions)
+                   if now != then and self._stamp_holds(model)]
+        if written:
+            with torch.no_grad():
+                ops.copy_(written, [self._value[m] for m in written])
+            self.mark(written)
 
     @property
     def has_reports(self) -> bool:
@@ -429,6 +463,7 @@ class MasterWeights:
                 ops.split_masters_([tensor], [parts[0]], [parts[1]], [value.to(tensor.device)])
             else:
                 master.copy_(value)
+                self._note_agreed([tensor])  # the model takes the value in its own load
         self._loaded = True
 
     def start(self) -> None:
@@ -468,6 +503,19 @@ class MasterWeights:
     def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor) -> None:
         for tensor, fingerprint in zip(tensors, fingerprints):
             self._marks[tensor] = (_stamp(tensor), fingerprint)
+        self._note_agreed(tensors)
+
+    def _note_agreed(self, tensors: List[torch.Tensor]) -> None:
+        """The masters of these model tensors agree with them now (see :meth:`before_forward`)."""
+        checks = self._flags
+        for tensor in tensors:
+            master = self._value.get(tensor)
+            if master is None:
+                continue
+            self._master_version[tensor] = master._version
+            index = checks.index.get(tensor) if checks is not None else None
+            if index is not None:
+                checks.versions[index] = master._version
 
     # -- masters -> model ------------------------------------------------------------------------
     def copy_to_model(self, masters: List[torch.Tensor]) -> None:

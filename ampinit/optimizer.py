@@ -177,20 +177,40 @@ def step_bound_before(optimizer: torch.optim.Optimizer) -> bool:
     return "step" in optimizer.__dict__
 
 
+def _inner_step_guard(outer: torch.optim.Optimizer, name: str, inner: torch.optim.Optimizer, args: tuple,
+                      kwargs: dict) -> None:
+    """Step pre-hook of an optimizer that a bound one holds and shares ``param_groups`` with:
+    its step must run inside the bound one's (Lookahead's does); SAM's ``second_step`` runs it
+    on its own, which would update the masters with no overflow check and no copy into the model."""
+    binding = outer.__dict__.get(_BINDING_ATTR)
+    if binding is None or binding.decided or binding.step_due:
+        return
+    outer_name = type(outer).__name__
+    raise RuntimeError(
+        f"{outer_name}.{name}.step() ran outside {outer_name}.step() (SAM's second_step does that), but "
+        f"ampinit.initialize was given the {outer_name}: that update would skip ampinit's overflow check and "
+        f"its copy into the model.  Initialize the optimizer that steps instead, and scale its losses: "
+        f"model, _ = ampinit.initialize(model, opt.{name}, ...); with ampinit.scale_loss(loss, opt.{name}) ...")
+
+
 def attach(optimizer: torch.optim.Optimizer, binding: "OptimizerBinding") -> list:
     """Bind ``optimizer``; returns the hook handles that :func:`detach` removes."""
     optimizer.__dict__.pop(_ENDED_ATTR, None)
     optimizer.__dict__[_BINDING_ATTR] = binding
     optimizer.__class__ = amp_optimizer_class(type(optimizer))
+    guards = [inner.register_step_pre_hook(functools.partial(_inner_step_guard, optimizer, name))
+              for name, inner in list(vars(optimizer).items())
+              if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer and has_step_hooks(inner)
+              and getattr(inner, "param_groups", None) is getattr(optimizer, "param_groups", ())]
     if not has_step_hooks(optimizer):
-        return []  # its step is only reached through the class (see has_step_hooks)
+        return guards  # its step is only reached through the class (see has_step_hooks)
     pre = optimizer.register_step_pre_hook(_step_pre_hook)
     post = optimizer.register_step_post_hook(_step_post_hook)
     # Ours run before hooks registered earlier: a post hook (an EMA of the model, say) must see
     # the model weights this step wrote.  torch has no prepend= for optimizer hooks.
     optimizer._optimizer_step_pre_hooks.move_to_end(pre.id, last=False)
     optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
-    return [pre, post]
+    return [pre, post] + guards
 
 
 def detach(optimizer: torch.optim.Optimizer, hooks: list) -> None:

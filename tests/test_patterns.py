@@ -300,3 +300,86 @@ def test_lookahead_without_optimizer_init_and_a_scheduler_made_before_initialize
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert (type(opt), [list(g["params"]) for g in opt.param_groups]) == before
     assert model.weight.dtype == torch.float32
+
+
+class _Sam(torch.optim.Optimizer):
+    """Sharpness-aware minimization as the widely used implementation structures it: a
+    ``base_optimizer`` sharing this optimizer's ``param_groups``, stepped from ``second_step``
+    (the loop calls ``first_step``/``second_step``, never ``step``)."""
+
+    def __init__(self, params, base, rho=0.5, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old"] = p.detach().clone()
+                    p.add_(p.grad * (group["rho"] / (norm + 1e-12)))  # climb to the local worst case
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_sam_trains_like_fp32_sam_when_its_base_optimizer_is_initialized(level):
+    """SAM perturbs the weights through ``param_groups`` (the masters at O2/O5) between two
+    backwards: the second forward must see the perturbation (it did not: the run was plain SGD),
+    as with FP32 torch.  Initializing the SAM itself, whose base optimizer steps outside its
+    ``step()``, is refused at that step with what to do instead (the model never moved)."""
+    def run(level, initialize_base=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        sam = _Sam(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        scaled_by = sam.base_optimizer if initialize_base else sam
+        if level is not None:
+            model, _ = amp.initialize(model, scaled_by, opt_level=level, verbosity=0, loss_scale=128.0)
+
+        def backward(loss):
+            if level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, scaled_by) as scaled:
+                    scaled.backward()
+
+        for i in range(10):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            x = x.to(next(model.parameters()).dtype) if level in ("O2", "O5") else x
+            backward((model(x).float() - y).pow(2).mean())
+            sam.first_step()
+            backward((model(x).float() - y).pow(2).mean())
+            sam.second_step()
+        return [p.detach().float() for p in model.parameters()]
+
+    def plain_sgd():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i in range(10):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+        return list(model.parameters())
+
+    reference, sgd = run(None), plain_sgd()
+    got = run(level)
+    distance = lambda a, b: max(float((x - y).abs().max()) for x, y in zip(a, b))  # noqa: E731
+    assert distance(reference, sgd) > 0.1  # SAM is not SGD here
+    assert distance(got, reference) < (0.01 if level == "O5" else 1e-3)
+    with pytest.raises(RuntimeError, match=r"base_optimizer.step\(\) ran outside _Sam.step\(\)"):
+        run(level, initialize_base=False)
