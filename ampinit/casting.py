@@ -66,6 +66,32 @@ class _AutocastScope:
             self._local.stack = []
         return self._local.stack
 
+    def _submodule_stack(self) -> list:
+        if not hasattr(self._local, "submodules"):
+            self._local.submodules = []
+        return self._local.submodules
+
+    def enter_submodule(self) -> None:
+        """A submodule's forward: the registered-function mode, unless the model's forward (or
+        an enclosing submodule's) has it.  Activation checkpointing recomputes submodules in the
+        backward, outside the model's forward and without its torch-function modes (autograd
+        does not carry them), but under the autocast state it saved: without this, a registered
+        function ran in fp32 in the forward and in fp16 in the recompute."""
+        frames = self._submodule_stack()
+        if self._stack() or any(frames):
+            frames.append(None)
+            return
+        mode = registry.RegisteredCastMode(self.policies)
+        mode.__enter__()
+        frames.append(mode)
+
+    def exit_submodule(self) -> None:
+        frames = self._submodule_stack()
+        if frames:
+            mode = frames.pop()
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
     def enter(self) -> None:
         contexts = [torch.autocast(self.device_type, dtype=self.dtype)]
         if self.policies:
@@ -105,6 +131,20 @@ class _EnterAutocast:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.scope.enter()
+
+
+class _SubmoduleCasts:
+    """Forward pre-hook and (always-called) hook of every submodule of a model whose forwards
+    apply registered ``torch`` functions (see :meth:`_AutocastScope.enter_submodule`)."""
+
+    def __init__(self, scope: _AutocastScope):
+        self.scope = scope
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.scope.enter_submodule()
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.scope.exit_submodule()
 
 
 class _LeaveForward:
@@ -162,6 +202,13 @@ class ModelCasting:
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook))
         if self._post_hook is not None:
             self._handles.append(self.model.register_forward_hook(self._post_hook, always_call=True))
+        scope = getattr(self._pre_hook, "scope", None)
+        if scope is not None and scope.policies:
+            casts = _SubmoduleCasts(scope)
+            for module in self.model.modules():
+                if module is not self.model:
+                    self._handles.append(module.register_forward_pre_hook(casts.enter))
+                    self._handles.append(module.register_forward_hook(casts.leave, always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:

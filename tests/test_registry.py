@@ -1,5 +1,6 @@
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -89,3 +90,59 @@ def test_registration_errors():
         except exc:
             continue
         raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("policy", ["float", "half"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_registered_torch_functions_keep_their_casts_in_a_checkpoint_recompute(policy, reentrant, monkeypatch):
+    """``register_float_function(torch, "exp")`` + activation checkpointing: the recompute in the
+    backward runs outside the model's forward (autograd carries no torch-function mode into it),
+    so the registered function ran in fp16 there after fp32 in the forward: non-reentrant
+    checkpoints raised, reentrant ones trained on a different graph (overflow, every step
+    skipped).  Reference: the same O1 run without checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ampinit import registry
+    monkeypatch.setattr(registry, "_TORCH_POLICIES", {})  # registrations are process-wide
+    (amp.register_float_function if policy == "float" else amp.register_half_function)(torch, "sigmoid")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.seen = []
+
+        def forward(self, x):
+            h = self.lin(x)
+            gate = torch.sigmoid(h)
+            self.seen.append(gate.dtype)
+            return h * gate
+
+    class Net(nn.Module):
+        def __init__(self, checkpointed):
+            super().__init__()
+            self.block, self.head, self.checkpointed = Block(), nn.Linear(8, 1), checkpointed
+
+        def forward(self, x):
+            h = checkpoint(self.block, x, use_reentrant=reentrant) if self.checkpointed else self.block(x)
+            return self.head(h)
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = Net(checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=128.0)
+        x = torch.randn(4, 8, requires_grad=True)
+        for _ in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], set(model.block.seen)
+
+    want = torch.float32 if policy == "float" else torch.float16
+    params, seen = run(True)
+    ref_params, ref_seen = run(False)
+    assert seen == ref_seen == {want}  # the forward and the recompute alike
+    for got, ref in zip(params, ref_params):
+        assert torch.equal(got, ref)
