@@ -60,6 +60,11 @@ __all__ = ["MasterWeights"]
 logger = logging.getLogger("ampinit")
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as integers of their width (NaN equal to itself, -0.0 not to 0.0)."""
+    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
 def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
     """What an in-place write (version counter), new storage (address) or a re-strided view of
     the same storage (``p.data = p.data.t()``: strides) changes; ``.data`` writes into the same
@@ -126,7 +131,8 @@ class MasterWeights:
         self.without_remainders: List[torch.Tensor] = []
         # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
         self._reported: Dict[torch.Tensor, List[weakref.finalize]] = {}
-        self._reporting = False  # inside a model.state_dict() that synced every tensor first
+        self._reporting = False  # inside a model.state_dict() that looked at every tensor first
+        self._written: Dict[torch.Tensor, tuple] = {}  # and found these written (_written_since_marked)
         # model parameter -> the requires_grad it and its master had when ampinit last looked
         self._requires_grad: Dict[torch.Tensor, bool] = {}
         # model parameter -> its master's version counter when ampinit last made the two agree
@@ -189,18 +195,27 @@ class MasterWeights:
         (``state_dict(keep_vars=True)``) an FP32 master is reported as the Parameter itself."""
         if tensor not in self:
             return None
-        if not self._reporting:  # else synced at the start of this model.state_dict()
-            self.sync([tensor])
+        written = self._written if self._reporting else self._written_since_marked([tensor])
         with torch.inference_mode(False):  # an inference tensor has no version counter to watch
-            master = self.master_of(tensor)
-            if keep_vars and master.dtype == dtype and isinstance(master, nn.Parameter):
-                value = master  # state_dict(keep_vars=True): the Parameter, requires_grad and all
-            else:
-                value = master.detach().to(dtype)
+            if tensor in written:  # the model's own value, not adopted (see _written_since_marked)
+                value = tensor.detach().to(dtype, copy=True)
                 if keep_vars:
                     value.requires_grad_(tensor.requires_grad)
+            else:
+                master = self.master_of(tensor)
+                if keep_vars and master.dtype == dtype and isinstance(master, nn.Parameter):
+                    value = master  # state_dict(keep_vars=True): the Parameter, requires_grad and all
+                else:
+                    value = master.detach().to(dtype)
+                    if keep_vars:
+                        value.requires_grad_(tensor.requires_grad)
         # the model as it is now: a write to it before the value's is adopted wins (see below)
-        model_mark = self._marks[tensor] if tensor in self._value else (_stamp(tensor), ops.fingerprint([tensor])[0])
+        if tensor in written:
+            model_mark = written[tensor]
+        elif tensor in self._value:
+            model_mark = self._marks[tensor]
+        else:
+            model_mark = (_stamp(tensor), ops.fingerprint([tensor])[0])
         # the finalizer holds a view (same storage and version counter), not the value itself
         watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark)
         watch.atexit = False
@@ -208,11 +223,47 @@ class MasterWeights:
         return value
 
     def set_reporting(self, opening: bool) -> None:
-        """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is synced
-        at once, and :meth:`report` skips its own sync) or ends."""
-        if opening:
-            self.sync()  # adopts the writes into earlier reported values too
+        """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is looked
+        at once, and :meth:`report` skips its own look) or ends."""
+        self._written = self._written_since_marked(None) if opening else {}
         self._reporting = opening
+
+    def _written_since_marked(self, tensors: Optional[List[torch.Tensor]]) -> Dict[torch.Tensor, tuple]:
+        """The FP32-master model tensors among ``tensors`` (default: all) written since ampinit
+        last marked them, with their marks as they are now: what ``model.state_dict()``
+        reports as the model's own values, *without* adopting them into the masters.  Adopting
+        there lost the masters' low bits to a swap that is undone after the read (an EMA copied
+        into the model for evaluation and a checkpoint, then the training weights copied back:
+        the masters would take the backup's 16-bit values); they are adopted at the next
+        backward or step if still there.  Before training has started it is the first full
+        compare (:meth:`sync`).  One host read of a flag per tensor."""
+        if self._reported:  # writes into values reported earlier first
+            self._adopt_reported(tensors)
+        if not self._compared_once:
+            self.sync(tensors)
+            return {}
+        tensors = [t for t in (self._value if tensors is None else tensors) if t in self._value]
+        if not tensors:
+            return {}
+        self.check_model(tensors)
+        now = ops.fingerprint(tensors)
+        never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
+        # the content decides (a write of the same values is no write); a new storage or layout
+        # always counts
+        then = torch.stack([self._marks[t][1] if t in self._marks and self._marks[t][0][1:] == _stamp(t)[1:]
+                            else never for t in tensors])
+        changed = now.ne(then).tolist()
+        candidates = [(t, fingerprint) for t, fingerprint, written in zip(tensors, now, changed) if written]
+        if not candidates:
+            return {}
+        # a changed fingerprint may still hold the master's rounding (model.load_state_dict wrote
+        # both): written means a value the master does not round to, as adopt_changes_ decides
+        differ = torch.stack([_bits(t).ne(_bits(self._value[t].detach().to(t.dtype))).any()
+                              for t, _ in candidates]).tolist()
+        agreeing = [(t, fingerprint) for (t, fingerprint), d in zip(candidates, differ) if not d]
+        if agreeing:
+            self._set_marks([t for t, _ in agreeing], [fingerprint for _, fingerprint in agreeing])
+        return {t: (_stamp(t), fingerprint) for (t, fingerprint), d in zip(candidates, differ) if d}
 
     def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int,
                       model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:

@@ -1191,3 +1191,54 @@ def test_r13d_a_layer_frozen_before_initialize_trains_once_unfrozen(level, remai
         assert torch.equal(g, w)
     for g, f in zip(got, fp32):
         assert torch.allclose(g, f, atol=0.02)
+
+
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+def test_r13e_reading_state_dict_while_ema_weights_are_swapped_in_costs_the_masters_nothing(level, remainders):
+    """torch_ema / diffusers' ``EMAModel`` / NeMo's EMA callback: back the weights up, copy the
+    EMA in, evaluate and save ``model.state_dict()``, copy the backup back.  The read adopted
+    the EMA into the masters, so the restore left them at the backup's 16-bit values: every
+    sub-ulp step since the last evaluation was lost.  Reference: the same run without the read,
+    bit for bit; the saved dict holds the EMA values."""
+    def run(save_while_swapped):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = (amp.optim.FusedSGD if remainders else torch.optim.SGD)(model.parameters(), lr=1e-4)
+        extra = {"master_weights": "remainder"} if remainders else {}
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+        ema = [p.detach().clone() for p in model.parameters()]
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 4, generator=gen)
+        saved = []
+        for i in range(40):
+            opt.zero_grad()
+            with amp.scale_loss((model(x.to(ema[0].dtype)).float() - y).pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.lerp_(p, 0.1)
+            if i % 5 == 4:
+                backup = [p.detach().clone() for p in model.parameters()]
+                with torch.no_grad():
+                    for p, e in zip(model.parameters(), ema):
+                        p.copy_(e)
+                if save_while_swapped:
+                    state = model.state_dict()
+                    saved.append([state[name].clone() for name, _ in model.named_parameters()])
+                with torch.no_grad():
+                    for p, b in zip(model.parameters(), backup):
+                        p.copy_(b)
+        masters = [m.detach().float().clone() for m in amp.master_params(opt)]
+        return masters, {k: v.clone() for k, v in model.state_dict().items()}, saved, ema
+
+    masters, state, saved, ema = run(True)
+    ref_masters, ref_state, _, _ = run(False)
+    for got, want in zip(masters, ref_masters):
+        assert torch.equal(got, want)
+    for key, want in ref_state.items():
+        assert torch.equal(state[key], want), key
+    # remainder masters join the EMA's bfloat16 weights with the remainders they kept (each
+    # weight is still their rounding): the EMA values to within half a bfloat16 ulp
+    assert len(saved) == 8 and all(torch.equal(s.to(e.dtype) if remainders else s, e.float() if not remainders else e)
+                                   for s, e in zip(saved[-1], ema))
