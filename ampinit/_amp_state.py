@@ -13,7 +13,8 @@ Reading a scale (``loss_scale()``, ``_loss_scale``) synchronises with the device
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -195,9 +196,55 @@ def master_params(optimizer: torch.optim.Optimizer):
     return frontend.master_params(optimizer)
 
 
-def init(*args: Any, **kwargs: Any) -> None:
-    """apex's legacy ``amp.init()``: not supported.  It patched ``torch`` for the whole process;
-    ampinit patches nothing.  Raises with the two-line replacement."""
+class NoOpHandle:
+    """What apex's legacy ``amp.init(enabled=False)`` returned: a handle that does nothing
+    (fp32 runs of scripts written for it, maskrcnn-benchmark's ``test_net.py`` say)."""
+
+    def is_active(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        yield
+
+    def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> "_NoOpOptimizer":
+        return _NoOpOptimizer(optimizer)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: Any, optimizer: Any) -> Iterator[Any]:
+        yield loss
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+
+class _NoOpOptimizer:
+    """``NoOpHandle.wrap_optimizer``: the optimizer, with a ``scale_loss`` that scales nothing."""
+
+    def __init__(self, optimizer: Any):
+        self._optimizer = optimizer
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: Any) -> Iterator[Any]:
+        yield loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_optimizer"], name)
+
+
+def init(enabled: bool = True, *args: Any, **kwargs: Any) -> NoOpHandle:
+    """apex's legacy ``amp.init()``.  ``enabled=False`` returns apex's no-op handle.  Enabled, it
+    is not supported: it patched ``torch`` for the whole process, and ampinit patches nothing;
+    it raises with the two-line replacement."""
+    if not enabled:
+        return NoOpHandle()
     raise RuntimeError(
         "amp.init() is apex's legacy API, which patched torch functions for the whole process; ampinit does not "
         "support it.  Replace it with the two lines of the current API:\n"

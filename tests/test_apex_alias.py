@@ -182,6 +182,38 @@ def test_initialize_keyword_arguments_as_frameworks_pass_them(alias):
 def test_legacy_init_raises_with_the_replacement():
     with pytest.raises(RuntimeError, match=r"amp.initialize\(model, optimizer"):
         ampinit.init(enabled=True)
+    with pytest.raises(RuntimeError, match=r"amp.initialize\(model, optimizer"):
+        ampinit.init()
+
+
+def test_legacy_init_disabled_is_apexs_no_op_handle():
+    """maskrcnn-benchmark's test_net.py: ``amp.init(enabled=use_mixed_precision)``, False for
+    fp32 configs; apex returned a handle that does nothing (it raised here).  A loop through it
+    trains exactly like plain torch."""
+    handle = ampinit.init(enabled=False, verbose=False)
+    assert not handle.is_active()
+
+    def run(through_handle):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if through_handle:
+            opt = handle.wrap_optimizer(opt)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(torch.ones(3, 4)).pow(2).sum()
+            if through_handle:
+                with handle._disable_casts(), opt.scale_loss(loss) as scaled:
+                    scaled.backward()
+                with handle.scale_loss(torch.zeros(()), opt) as zero:
+                    assert zero.item() == 0.0
+            else:
+                loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
 
 
 # -- a real apex next to the alias -------------------------------------------------------------
