@@ -81,6 +81,61 @@ def test_distributed_data_parallel_with_apex_arguments(kwargs, average, tmp_path
     torch.testing.assert_close(results[0]["running_mean"], model[1].running_mean, rtol=1e-3, atol=1e-4)
 
 
+class _MaskHead(nn.Module):
+    """A detection model's shape: a head used on some iterations only (maskrcnn's mask head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.mask_head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x, use_mask):
+        h = torch.tanh(self.body(x))
+        return h.sum(dim=1, keepdim=True) + (self.mask_head(h) if use_mask else 0.0)
+
+
+def unused_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = _MaskHead()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=128.0)
+        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True)
+        x, y = _shard(rank)
+        for step in range(4):
+            opt.zero_grad()
+            with amp.scale_loss(((ddp(x, step % 2 == 0).float() - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_delay_allreduce_takes_parameters_unused_in_an_iteration(tmp_path):
+    """DeepLearningExamples' MaskRCNN: ``DDP(model, delay_allreduce=True)`` over heads that some
+    iterations leave without gradients.  apex all-reduced the gradients that exist at the end of
+    the backward; torch's DDP raised at the second iteration.  Reference: one process on the
+    whole batch (each rank's loss a mean over its shard)."""
+    mp.spawn(unused_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    model = _MaskHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = zip(*(_shard(r) for r in range(WORLD)))
+    for step in range(4):
+        opt.zero_grad()
+        sum(((model(x, step % 2 == 0) - y) ** 2).mean() for x, y in zip(xs, ys)).div(WORLD).backward()
+        opt.step()
+    for got, want in zip(results[0], model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-2, atol=1e-3)
+
+
 def test_distributed_data_parallel_rejects_what_apex_rejected():
     with pytest.raises(ValueError, match="shared_param"):
         parallel.DistributedDataParallel(nn.Linear(2, 2), shared_param=True)

@@ -68,7 +68,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """torch's ``DistributedDataParallel`` constructed from apex's arguments.
 
     ``message_size`` (elements per bucket) becomes ``bucket_cap_mb``; ``delay_allreduce=True``
-    one bucket for the whole model; ``retain_allreduce_buffers=True`` gradients that are views of
+    one bucket for the whole model, with parameters an iteration leaves unused taken as apex's
+    end-of-backward all-reduce took them (``find_unused_parameters``); buffers are not broadcast
+    (``broadcast_buffers=False``: each rank keeps its own BatchNorm statistics, as with apex);
+    ``retain_allreduce_buffers=True`` gradients that are views of
     the buckets (``gradient_as_bucket_view``); ``allreduce_always_fp32``,
     ``gradient_predivide_factor`` and ``gradient_average=False`` a communication hook doing apex's
     arithmetic.  ``allreduce_trigger_params``, ``num_allreduce_streams``,
@@ -109,6 +112,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         bucket_cap_mb = total_mb + 1.0 if delay_allreduce else message_size * element_size / 2 ** 20
         torch_ddp_kwargs.setdefault("bucket_cap_mb", bucket_cap_mb)
         torch_ddp_kwargs.setdefault("gradient_as_bucket_view", retain_allreduce_buffers)
+        if delay_allreduce:  # apex all-reduced whatever gradients the backward produced
+            torch_ddp_kwargs.setdefault("find_unused_parameters", True)
+        torch_ddp_kwargs.setdefault("broadcast_buffers", False)  # apex never broadcast buffers
         super().__init__(module, **torch_ddp_kwargs)
         if allreduce_always_fp32 or gradient_predivide_factor != 1.0 or not gradient_average:
             options = _AllReduceOptions(torch_ddp_kwargs.get("process_group"), allreduce_always_fp32,
