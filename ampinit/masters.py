@@ -65,6 +65,17 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
+def _byte_span(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    """``(storage address, first byte, end byte)`` of the memory a tensor's elements lie in, or
+    ``None`` for an empty tensor."""
+    if tensor.numel() == 0:
+        return None
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    last = first + sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride())) * size
+    return tensor.untyped_storage().data_ptr(), first, last + size
+
+
 def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
     """What an in-place write (version counter), new storage (address) or a re-strided view of
     the same storage (``p.data = p.data.t()``: strides) changes; ``.data`` writes into the same
@@ -401,6 +412,8 @@ class MasterWeights:
             self._updated.add(param)
             return param
         master = self._value.get(param)
+        if master is None:
+            self._check_no_overlap(param)
         if master is None and self._remainder_mode and param.dtype == torch.bfloat16:
             if param.is_contiguous():
                 # bfloat16 already (cast by the user): its master is the weight, with zero remainders
@@ -421,6 +434,26 @@ class MasterWeights:
                     master.copy_(param)
         self._updated.add(param)
         return master
+
+    def _check_no_overlap(self, param: torch.Tensor) -> None:
+        """A parameter added later must not share memory with one ampinit keeps a master for:
+        both masters would be copied into that memory at every step, in an order the parallel
+        kernels do not fix (a parametrization such as ``weight_norm`` registered after
+        ``initialize`` makes its ``original`` from the old weight's memory, which the optimizer
+        still holds).  Raises before anything changes."""
+        span = _byte_span(param)
+        if span is None:
+            return
+        for tensor in list(self._value) + list(self._remainders):
+            other = _byte_span(tensor)
+            if tensor is not param and other is not None and other[0] == span[0] and \
+                    other[1] < span[2] and span[1] < other[2]:
+                raise ValueError(
+                    f"a parameter added to the optimizer shares memory with "
+                    f"{self._names.get(tensor, 'a parameter')}, which ampinit keeps an FP32 master for: both "
+                    "masters would be written into it at every step.  A parametrization (weight_norm, "
+                    "spectral_norm, ...) registered after ampinit.initialize does this: register it before "
+                    "ampinit.initialize")
 
     def release(self, param: torch.Tensor) -> None:
         """An optimizer no longer updates ``param`` (a failed ``add_param_group``)."""

@@ -1242,3 +1242,26 @@ def test_r13e_reading_state_dict_while_ema_weights_are_swapped_in_costs_the_mast
     # weight is still their rounding): the EMA values to within half a bfloat16 ulp
     assert len(saved) == 8 and all(torch.equal(s.to(e.dtype) if remainders else s, e.float() if not remainders else e)
                                    for s, e in zip(saved[-1], ema))
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_r13f_a_parameter_sharing_memory_with_a_master_is_refused_at_add_param_group(level):
+    """``weight_norm`` registered after ``initialize``: its ``original1`` is made from the old
+    weight's memory, which the optimizer still holds, so both masters were copied into the same
+    memory every step, in an order the parallel kernels left open (the trained v came out
+    different from run to run).  Refused, with nothing changed; non-overlapping views of one
+    buffer (flat parameter storage) are fine."""
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    parametrizations.weight_norm(model[2])
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError, match=r"shares memory with 2\.weight.*register it before ampinit.initialize"):
+        opt.add_param_group({"params": list(model[2].parametrizations.weight.parameters())})
+    assert len(opt.param_groups) == groups
+    flat = torch.zeros(40, dtype=model[0].weight.dtype)
+    a, b = nn.Parameter(flat[:20].view(4, 5)), nn.Parameter(flat[20:].view(4, 5))
+    opt.add_param_group({"params": [a]})
+    opt.add_param_group({"params": [b]})  # the other half of the same storage
+    assert len(opt.param_groups) == groups + 2
