@@ -1,5 +1,6 @@
 """ampinit: apex-compatible mixed precision for current PyTorch (``import ampinit as amp``)."""
 
+from . import optim  # ampinit.optim.FusedAdam(...) after a bare `import ampinit`
 from ._amp_state import _amp_state, init
 from ._version import __version__
 from .apex import install_apex_alias, uninstall_apex_alias
@@ -24,5 +25,5 @@ __all__ = [
     "end", "handle_of", "AmpHandle", "AmpConfig", "OPT_LEVELS", "LossScaler", "disable_casts",
     "half_function", "bfloat16_function", "float_function", "promote_function", "register_half_function",
     "register_bfloat16_function", "register_float_function", "register_promote_function", "init",
-    "install_apex_alias", "uninstall_apex_alias", "_amp_state",
+    "install_apex_alias", "uninstall_apex_alias", "_amp_state", "optim",
 ]

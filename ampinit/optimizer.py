@@ -139,7 +139,9 @@ class _AmpStash:
 def _reject_closure(closure: Any) -> None:
     if closure is not None:
         raise RuntimeError("ampinit does not support optimizer.step(closure): compute the loss and run "
-                           "scale_loss(...).backward() before step()")
+                           "scale_loss(...).backward() before step().  Optimizers that need the closure "
+                           "(LBFGS re-evaluates the loss inside its step) can't be initialized; train them "
+                           "in FP32 (or under torch.autocast without loss scaling)")
 
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -647,3 +647,14 @@ def test_a_model_parameter_appended_beside_its_master_is_refused(make):
     with pytest.raises(RuntimeError, match="16-bit|did not put there"):
         opt.step()
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_bare_import_ampinit_reaches_the_fused_optimizers():
+    """README's ``ampinit.optim.FusedAdamW(...)`` after ``import ampinit`` alone (it raised
+    AttributeError unless ``ampinit.optim`` was imported too); a fresh process, so no other test
+    has imported it."""
+    import subprocess
+    import sys
+    code = "import ampinit; print(ampinit.optim.FusedAdamW.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "FusedAdamW"
