@@ -470,3 +470,21 @@ def test_apex_dynamic_loss_scaler_class_follows_apex():
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([1.0, float("nan")])
     assert scaler.has_overflow([p]) and not LossScaler(4.0).has_overflow([p]) and LossScaler(4.0).loss_scale == 4.0
+
+
+def test_fp16_optimizer_has_apexs_group_lists():
+    """apex's public per-group lists (``fp16_groups``, ``fp32_from_fp16_groups``,
+    ``fp32_from_fp32_groups``) and ``dynamic_loss_scale``: each master beside its model
+    parameter, a FP32 parameter on its own, group by group (they raised AttributeError)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    model[1].bias.data = model[1].bias.data.float()  # a FP32 parameter among fp16 ones
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                     {"params": model[1].parameters(), "lr": 0.5}], lr=0.1),
+                                    dynamic_loss_scale=True, verbose=False)
+    assert opt.dynamic_loss_scale
+    assert [len(g) for g in opt.fp16_groups] == [2, 1] and [len(g) for g in opt.fp32_from_fp32_groups] == [0, 1]
+    assert opt.fp16_groups[1][0] is model[1].weight and opt.fp32_from_fp32_groups[1][0] is model[1].bias
+    for fp16, fp32 in zip(sum(opt.fp16_groups, []), sum(opt.fp32_from_fp16_groups, [])):
+        assert fp32.dtype == torch.float32 and torch.equal(fp32, fp16.float())
+    assert all(a is b for a, b in zip(sum(opt.fp32_from_fp16_groups, []), opt.all_fp32_from_fp16_params))

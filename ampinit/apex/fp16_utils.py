@@ -275,6 +275,36 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     def all_fp32_from_fp32_params(self) -> List[torch.Tensor]:
         return [master for model, master in self._binding.flow.pairs() if model is master]
 
+    # apex's per-group lists (its param_groups order), for code that walks them
+    def _groups(self, keep: str) -> List[List[torch.Tensor]]:
+        model_of = {id(master): model for model, master in self._binding.flow.pairs()}
+        groups = []
+        for group in self.optimizer.param_groups:
+            pairs = [(model_of.get(id(p), p), p) for p in group["params"]]
+            if keep == "fp16":
+                groups.append([model for model, master in pairs if model is not master])
+            elif keep == "fp32_from_fp16":
+                groups.append([master for model, master in pairs if model is not master])
+            else:
+                groups.append([master for model, master in pairs if model is master])
+        return groups
+
+    @property
+    def fp16_groups(self) -> List[List[torch.Tensor]]:
+        return self._groups("fp16")
+
+    @property
+    def fp32_from_fp16_groups(self) -> List[List[torch.Tensor]]:
+        return self._groups("fp32_from_fp16")
+
+    @property
+    def fp32_from_fp32_groups(self) -> List[List[torch.Tensor]]:
+        return self._groups("fp32_from_fp32")
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self._scaler.dynamic
+
     def state_dict(self) -> Dict[str, Any]:
         """The optimizer's state, the loss scale's, and the FP32 masters (a host sync)."""
         return {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
