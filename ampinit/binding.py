@@ -95,6 +95,7 @@ class OptimizerBinding:
         self.handle.check_not_ended()
         flow = self.flow
         flow.check_ready_for_step()
+        flow.check_foreign_grads("optimizer.step()")
         if flow.masters is not None:
             flow.masters.sync(flow.models())
         read_overflow = flow.unscaled_since_step and not flow.fused

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -105,6 +106,9 @@ class GradientFlow:
         self.pending: Optional[_Pending] = None
         self.in_scale_loss = False
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
+        # model parameter -> (its gradient, version, loss id): left, still scaled, by the backward
+        # of a scale_loss for another optimizer of the same initialization (see note_foreign_grads)
+        self._foreign: Dict[torch.Tensor, Tuple[weakref.ref, int, int]] = {}
         self._tokens: Dict[torch.Tensor, _Token] = {}
         # The tokens scale_loss took off the model on entry, until its backward starts: put
         # back if none does (an exception before the backward), so their history survives.
@@ -472,6 +476,42 @@ class GradientFlow:
         self.deferred.clear()
 
     # -- step ----------------------------------------------------------------------------------
+    # -- gradients from another optimizer's scale_loss -----------------------------------------
+    def grad_snapshot(self) -> Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]]:
+        """The model parameters' gradients (object and version) before a backward of a
+        ``scale_loss`` that this optimizer is not part of."""
+        return {model: (model.grad, -1 if model.grad is None else model.grad._version) for model, _ in self.pairs()}
+
+    def note_foreign_grads(self, before: Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]], loss_id: int) -> None:
+        """After that backward: the gradients it created or changed here stay multiplied by its
+        loss scale, which only the optimizers passed to that ``scale_loss`` unscale (a GAN's
+        generator loss reaches the discriminator's parameters).  They are harmless if cleared
+        before this optimizer uses them (``zero_grad``, the next loop's ``D.zero_grad()``); used,
+        :meth:`check_foreign_grads` raises."""
+        for model, _ in self.pairs():
+            grad = model.grad
+            if grad is None:
+                continue
+            old, version = before.get(model, (None, -1))
+            if old is grad and version == grad._version:
+                continue
+            self._foreign[model] = (weakref.ref(grad), grad._version, loss_id)
+
+    def check_foreign_grads(self, what: str) -> None:
+        """Raise before ``what`` (this optimizer's scale_loss or step) uses a gradient that
+        another optimizer's ``scale_loss`` left scaled and nobody cleared since.  Changes nothing."""
+        live = [model for model, (ref, version, _) in self._foreign.items()
+                if model.grad is not None and model.grad is ref() and model.grad._version == version]
+        if not live:
+            self._foreign.clear()
+            return
+        names = ", ".join(self._name_of(m) for m in live[:4]) + (", ..." if len(live) > 4 else "")
+        raise RuntimeError(
+            f"{what} would use gradients of {names} that the backward of a scale_loss for another optimizer put "
+            "there, still multiplied by that loss's scale (only the optimizers passed to a scale_loss are "
+            "unscaled).  Clear them first (this optimizer's zero_grad()), or pass every optimizer whose "
+            "parameters the loss reaches: scale_loss(loss, [optimizer_a, optimizer_b])")
+
     def check_ready_for_step(self) -> None:
         if self.pending is not None:
             raise RuntimeError(
@@ -489,6 +529,7 @@ class GradientFlow:
             master.grad = None
         self._tokens.clear()
         self._stash.clear()
+        self._foreign.clear()
         self.deferred.clear()
         self.pending = None
 

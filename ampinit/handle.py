@@ -339,6 +339,10 @@ class AmpHandle:
                                    "unscaled with the outer loss's.  Finish one `with scale_loss(...)` block "
                                    "before the next, or add the losses and scale their sum")
             flow.check_can_join(loss_id, scaler.updates)
+        for flow in flows:
+            flow.check_foreign_grads("this scale_loss")
+        # the other optimizers' gradients, to tell what this backward leaves on them still scaled
+        others = [(b.flow, b.flow.grad_snapshot()) for b in self._bindings if b.flow not in flows]
         scaled = scaler.scale(loss)
         watch = BackwardWatch(scaled, on_reach=lambda: [flow.backward_started() for flow in flows])
         if self.masters is not None:
@@ -356,6 +360,8 @@ class AmpHandle:
         finally:
             for flow in flows:
                 flow.in_scale_loss = False
+            for flow, before in others:
+                flow.note_foreign_grads(before, loss_id)
         self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
 
     def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,

@@ -383,3 +383,53 @@ def test_sam_trains_like_fp32_sam_when_its_base_optimizer_is_initialized(level):
     assert distance(got, reference) < (0.01 if level == "O5" else 1e-3)
     with pytest.raises(RuntimeError, match=r"base_optimizer.step\(\) ran outside _Sam.step\(\)"):
         run(level, initialize_base=False)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("style", ["zero_d_first", "model_zero_grad", "both_optimizers", "unzeroed"])
+def test_a_generator_loss_reaching_the_discriminator(level, style):
+    """GAN step: the generator's loss backpropagates through D, so its scale_loss(loss_G, opt_G)
+    leaves gradients on D's parameters, multiplied by the loss scale (only opt_G's are
+    unscaled).  Cleared before D uses them (pix2pixHD's ``optimizer_D.zero_grad()``, DCGAN's
+    ``netD.zero_grad()``) or unscaled with both optimizers in the scale_loss, D trains like FP32
+    torch; used as they are, D stepped on ~1000x its FP32 gradient at O1 (and the O2 error
+    blamed a backward outside scale_loss): now a clear error, before anything changes."""
+    def run(level):
+        torch.manual_seed(0)
+        G, D = nn.Linear(4, 4), nn.Linear(4, 1)
+        opt_g, opt_d = torch.optim.SGD(G.parameters(), lr=0.1), torch.optim.SGD(D.parameters(), lr=0.1)
+        if level is not None:
+            [G, D], [opt_g, opt_d] = amp.initialize([G, D], [opt_g, opt_d], opt_level=level, verbosity=0,
+                                                    loss_scale=1024.0)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            loss_g = -D(G(z)).float().mean()
+            if level is None:
+                loss_g.backward()
+            else:
+                with amp.scale_loss(loss_g, [opt_g, opt_d] if style == "both_optimizers" else opt_g) as scaled:
+                    scaled.backward()
+            opt_g.step()
+            if style == "zero_d_first":
+                opt_d.zero_grad()
+            elif style == "model_zero_grad":
+                D.zero_grad()
+            loss_d = D(real).float().mean() - D(G(z).detach()).float().mean()
+            if level is None:
+                loss_d.backward()
+            else:
+                with amp.scale_loss(loss_d, opt_d) as scaled:
+                    scaled.backward()
+            opt_d.step()
+        return [p.detach().float().clone() for p in list(G.parameters()) + list(D.parameters())]
+
+    if style == "unzeroed":
+        with pytest.raises(RuntimeError, match=r"gradients of models\[1\].weight, models\[1\].bias that the "
+                                               r"backward of a scale_loss for another optimizer"):
+            run(level)
+        return
+    for got, want in zip(run(level), run(None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if level == "O5" else 3e-3)
