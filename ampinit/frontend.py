@@ -152,6 +152,20 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
                     raise ValueError(f"an optimizer parameter is on {param.device} but the model "
                                      f"is on {device}: build the optimizer from the model's "
                                      "parameters after moving the model")
+        _warn_eps_zero_in_fp16(opt, config)
+
+
+def _warn_eps_zero_in_fp16(opt: torch.optim.Optimizer, config: AmpConfig) -> None:
+    """Pure fp16 (O3-like: fp16 model, no masters) with an ``eps`` that fp16 rounds to 0: a
+    parameter whose gradient is exactly 0 gets 0/0 = NaN (the README's O3 + Adam trap)."""
+    if config.cast_model_type != torch.float16 or config.master_weights:
+        return
+    tiny = [group["eps"] for group in opt.param_groups
+            if isinstance(group.get("eps"), float) and 0 < group["eps"] and torch.tensor(group["eps"]).half() == 0]
+    if tiny:
+        logger.warning("ampinit: %s has eps=%g, which is 0 in fp16: with an fp16 model and no master weights "
+                       "(opt_level=%r) a parameter whose gradient is 0 becomes NaN.  Use eps>=1e-4, or O2",
+                       type(opt).__name__, tiny[0], config.opt_level)
 
 
 def initialize(models: Union[nn.Module, Sequence[nn.Module]],

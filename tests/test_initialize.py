@@ -367,3 +367,15 @@ def test_zero_grad_discards_the_overflow_of_an_abandoned_backward(level):
     assert opt.amp.skipped_steps == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
     assert opt.amp.loss_scale() == 2.0 ** 15  # the overflow did happen: the scale backed off
+
+
+def test_o3_with_an_eps_that_is_zero_in_fp16_is_warned_about(caplog):
+    """The README's O3 + Adam trap (eps=1e-8 is 0 in fp16: 0/0 = NaN) is logged at initialize
+    (NCF's FusedAdam(eps=1e-8) diverged at O3 with nothing said); eps=1e-4 and O2 are quiet."""
+    import logging
+    for level, eps, warned in [("O3", 1e-8, True), ("O3", 1e-4, False), ("O2", 1e-8, False)]:
+        model = torch.nn.Linear(2, 2)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ampinit"):
+            amp.initialize(model, torch.optim.Adam(model.parameters(), eps=eps), opt_level=level, verbosity=0)
+        assert ("which is 0 in fp16" in caplog.text) == warned, (level, eps)
