@@ -200,6 +200,8 @@ class NoOpHandle:
     """What apex's legacy ``amp.init(enabled=False)`` returned: a handle that does nothing
     (fp32 runs of scripts written for it, maskrcnn-benchmark's ``test_net.py`` say)."""
 
+    verbose = False
+
     def is_active(self) -> bool:
         return False
 

@@ -154,6 +154,9 @@ class OptimizerBinding:
         step = self.steps
         self.steps += 1
         self.flow.drop_all_grads()
+        if self.flow.masters is not None:
+            # the masters are as before the step, but the model may not be: see the method
+            self.flow.masters.copy_replaced_masters(self.flow.models())
         self._end_step()
         self._count_skip(step, names, loss_ids)
 

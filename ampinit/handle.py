@@ -120,9 +120,9 @@ class _BeforeForward:
         handle = self.link.handle
         if handle is None or handle.masters is None:
             return
-        handle.masters.before_forward()
-        if handle.masters.has_reports:
+        if handle.masters.has_reports:  # first: a write into a reported master bumps its version too
             handle.masters.adopt_written_reports()
+        handle.masters.before_forward()
 
 
 class _LoadFP32Values:
@@ -188,6 +188,7 @@ class AmpHandle:
         self._shard_groups = distributed.shard_groups(p for m in self.models for p in m.parameters())
         self._param_names = {p: (f"{name}" if len(models) == 1 else f"models[{i}].{name}")
                              for i, m in enumerate(models) for name, p in m.named_parameters()}
+        self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -341,6 +342,13 @@ class AmpHandle:
             flow.check_can_join(loss_id, scaler.updates)
         for flow in flows:
             flow.check_foreign_grads("this scale_loss")
+        if self.masters is not None and not self._warned_unseen_writes and self.masters.masters_written_unseen():
+            self._warned_unseen_writes = True
+            logger.warning(
+                "ampinit: master weights (optimizer.param_groups) were written in place outside step() (SAM's "
+                "first_step, say), and the forward since did not see it: it ran under torch.compile or through a "
+                "submodule, where ampinit's forward check does not run, so it computed with the old weights.  Run "
+                "such forwards through the initialized model itself, uncompiled (this is logged once)")
         # the other optimizers' gradients, to tell what this backward leaves on them still scaled
         others = [(b.flow, b.flow.grad_snapshot()) for b in self._bindings if b.flow not in flows]
         scaled = scaler.scale(loss)
@@ -423,6 +431,8 @@ class AmpHandle:
                                  f"{self.device}: move it there first")
         use_masters = self.masters is not None
         new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
+        if new:
+            self.masters.check_no_overlap(new)  # before any master is made
         masters = {p: self.masters.take(p) for p in new}
         try:
             base_add(dict(param_group, params=[masters.get(p, p) for p in params]))

@@ -142,12 +142,14 @@ class MasterWeights:
         self.without_remainders: List[torch.Tensor] = []
         # model tensor -> the watch on the FP32 value model.state_dict() last reported for it
         self._reported: Dict[torch.Tensor, List[weakref.finalize]] = {}
+        self._report_views: Optional[Tuple[List[torch.Tensor], List[int]]] = None  # adopt_written_reports
         self._reporting = False  # inside a model.state_dict() that looked at every tensor first
         self._written: Dict[torch.Tensor, tuple] = {}  # and found these written (_written_since_marked)
         # model parameter -> the requires_grad it and its master had when ampinit last looked
         self._requires_grad: Dict[torch.Tensor, bool] = {}
         # model parameter -> its master's version counter when ampinit last made the two agree
         self._master_version: Dict[torch.Tensor, int] = {}
+        self._master_storage: Dict[torch.Tensor, int] = {}  # and its address then
         self._flags: Optional[_ForwardChecks] = None  # None: rebuilt at the next forward
         self._updated: set = set()   # model parameters whose masters an optimizer updates
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
@@ -159,6 +161,8 @@ class MasterWeights:
             value = nn.Parameter(value.data, requires_grad=tensor.requires_grad)
             self._model_of[value] = tensor
             self._requires_grad[tensor] = tensor.requires_grad
+            self._master_version[tensor] = value._version
+            self._master_storage[tensor] = value.data_ptr()
         self._value[tensor] = value
         self._flags = None
         return value
@@ -208,8 +212,8 @@ class MasterWeights:
             return None
         written = self._written if self._reporting else self._written_since_marked([tensor])
         with torch.inference_mode(False):  # an inference tensor has no version counter to watch
-            if tensor in written:  # the model's own value, not adopted (see _written_since_marked)
-                value = tensor.detach().to(dtype, copy=True)
+            if tensor in written:  # the model's values where written, not adopted (_written_since_marked)
+                value = self._as_adopted(tensor).to(dtype)
                 if keep_vars:
                     value.requires_grad_(tensor.requires_grad)
             else:
@@ -231,6 +235,7 @@ class MasterWeights:
         watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark)
         watch.atexit = False
         self._reported.setdefault(tensor, []).append(watch)  # tied weights: one per key
+        self._report_views = None
         return value
 
     def set_reporting(self, opening: bool) -> None:
@@ -238,6 +243,14 @@ class MasterWeights:
         at once, and :meth:`report` skips its own look) or ends."""
         self._written = self._written_since_marked(None) if opening else {}
         self._reporting = opening
+
+    def _as_adopted(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the master of a written ``tensor`` would be if the write were adopted, as a new
+        tensor: the model's value where it no longer holds the master's rounding, the master
+        elsewhere (adopt_changes_'s rule), so that elements the write left alone keep their FP32
+        bits (WGAN's clamp changes a few)."""
+        master = self._value[tensor].detach()
+        return torch.where(_bits(tensor.detach()) != _bits(master.to(tensor.dtype)), tensor.detach().float(), master)
 
     def _written_since_marked(self, tensors: Optional[List[torch.Tensor]]) -> Dict[torch.Tensor, tuple]:
         """The FP32-master model tensors among ``tensors`` (default: all) written since ampinit
@@ -300,6 +313,7 @@ class MasterWeights:
     def _adopt_reported(self, tensors: Optional[List[torch.Tensor]] = None) -> None:
         """Adopt the writes into the values :meth:`report` handed out for ``tensors`` (default:
         all) that are still alive, and stop watching them."""
+        self._report_views = None
         for tensor in list(self._reported) if tensors is None else tensors:
             for watch in self._reported.pop(tensor, ()):
                 pending = watch.detach()  # None: dropped, and adopted then
@@ -332,6 +346,24 @@ class MasterWeights:
                                          [self._requires_grad[m] for m in models],
                                          [self._master_version.get(m, -1) for m in models])
         return self._flags
+
+    def copy_replaced_masters(self, models: List[torch.Tensor]) -> None:
+        """After a skipped step: copy into the model the masters whose storage was replaced
+        (``p.data = old``) since ampinit last made them agree.  SAM restores its perturbed
+        masters that way, which no version counter sees; the forward had copied the perturbation
+        into the model, and a skipped step copies nothing back."""
+        replaced = [m for m in models if m in self._value and m in self._master_storage
+                    and self._value[m].data_ptr() != self._master_storage[m]]
+        if replaced:
+            self.copy_to_model([self._value[m] for m in replaced])
+
+    def masters_written_unseen(self) -> bool:
+        """Whether a master was written outside ``step()`` since ampinit last made it and its
+        model parameter agree: at a ``scale_loss``, after the forward, that forward did not see
+        the write (it ran under ``torch.compile`` or through a submodule, where
+        :meth:`before_forward` does not run).  Python reads of a version counter per parameter."""
+        checks = self._forward_checks()
+        return [m._version for m in checks.masters] != checks.versions
 
     def before_forward(self) -> None:
         """What a forward of the model needs of the parameters with FP32 masters, in Python
@@ -368,7 +400,11 @@ class MasterWeights:
         """Adopt the reported values written in place since they were handed out, and keep
         watching the others: the model's forward calls it, so that a forward made while a
         written ``state_dict()`` is still alive computes with the written values.  Reads version
-        counters only (one host fingerprint read per written value, see :meth:`_adopt_report`)."""
+        counters only (one host fingerprint read per written value, see :meth:`_adopt_report`),
+        in one list comprehension while nothing was written or dropped."""
+        if self._report_views is not None and [v._version for v in self._report_views[0]] == self._report_views[1]:
+            return
+        self._report_views = None
         for tensor in list(self._reported):
             watches = self._reported[tensor]
             done = [watch for watch in watches if not _unwritten(watch)]
@@ -383,6 +419,9 @@ class MasterWeights:
                     self._adopt_report(*pending[2])
             if kept:
                 self._reported.setdefault(tensor, []).extend(kept)
+        views = [watch.peek() for watches in self._reported.values() for watch in watches]
+        if all(view is not None for view in views):  # a dropped value stays until the next pass
+            self._report_views = ([v[2][1] for v in views], [v[2][2] for v in views])
 
     def remainders_of(self, tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(remainders, tie words)`` of a parameter whose master is kept as remainders."""
@@ -413,7 +452,7 @@ class MasterWeights:
             return param
         master = self._value.get(param)
         if master is None:
-            self._check_no_overlap(param)
+            self.check_no_overlap([param])
         if master is None and self._remainder_mode and param.dtype == torch.bfloat16:
             if param.is_contiguous():
                 # bfloat16 already (cast by the user): its master is the weight, with zero remainders
@@ -435,23 +474,26 @@ class MasterWeights:
         self._updated.add(param)
         return master
 
-    def _check_no_overlap(self, param: torch.Tensor) -> None:
-        """A parameter added later must not share memory with one ampinit keeps a master for:
-        both masters would be copied into that memory at every step, in an order the parallel
-        kernels do not fix (a parametrization such as ``weight_norm`` registered after
-        ``initialize`` makes its ``original`` from the old weight's memory, which the optimizer
-        still holds).  Raises before anything changes."""
-        span = _byte_span(param)
-        if span is None:
-            return
-        for tensor in list(self._value) + list(self._remainders):
-            other = _byte_span(tensor)
-            if tensor is not param and other is not None and other[0] == span[0] and \
-                    other[1] < span[2] and span[1] < other[2]:
+    def check_no_overlap(self, params: List[torch.Tensor]) -> None:
+        """Parameters added later must not share memory with one ampinit keeps a master for, or
+        with each other: both masters would be copied into that memory at every step, in an
+        order the parallel kernels do not fix (a parametrization such as ``weight_norm``
+        registered after ``initialize`` makes its ``original`` from the old weight's memory,
+        which the optimizer still holds).  Raises before anything changes."""
+        known = list(self._value) + list(self._remainders)
+        for index, param in enumerate(params):
+            span = _byte_span(param)
+            if span is None or param in self:
+                continue
+            for tensor in known + params[:index]:
+                other = _byte_span(tensor)
+                if tensor is param or other is None or other[0] != span[0] or \
+                        not (other[1] < span[2] and span[1] < other[2]):
+                    continue
                 raise ValueError(
                     f"a parameter added to the optimizer shares memory with "
-                    f"{self._names.get(tensor, 'a parameter')}, which ampinit keeps an FP32 master for: both "
-                    "masters would be written into it at every step.  A parametrization (weight_norm, "
+                    f"{self._names.get(tensor, 'another parameter added with it')}, and both would keep an FP32 "
+                    "master: both masters would be written into it at every step.  A parametrization (weight_norm, "
                     "spectral_norm, ...) registered after ampinit.initialize does this: register it before "
                     "ampinit.initialize")
 
@@ -535,6 +577,7 @@ class MasterWeights:
         ``torch.distributed`` the masters then keep it rather than start from the model.
         Nothing happens for a tensor without a master or a value of another shape.  A write
         into a reported value of ``tensor`` not adopted yet is dropped: this value is newer."""
+        self._report_views = None
         for watch in self._reported.pop(tensor, ()):
             watch.detach()
         parts = self._remainders.get(tensor)
@@ -564,9 +607,14 @@ class MasterWeights:
         now = ops.fingerprint(tensors)
         never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
         then = torch.stack([self._marks[t][1] if self._stamp_holds(t) else never for t in tensors])
+        # masters that agreed with their models still do after the adoption (whose in-place op
+        # bumps every version counter); one written or replaced on its own side does not
+        agreed = [t for t in tensors if self._value[t]._version == self._master_version.get(t)
+                  and self._value[t].data_ptr() == self._master_storage.get(t)]
         with torch.no_grad():
             ops.adopt_changes_([self._value[t] for t in tensors], tensors, only=now.ne(then).float())
-        self._set_marks(tensors, now)
+        self._set_marks(tensors, now, agreed=False)
+        self._note_agreed(agreed)
 
     def _stamp_holds(self, tensor: torch.Tensor) -> bool:
         """Marked, with the version counter, storage and strides it had then (see ``_stamp``)."""
@@ -584,10 +632,13 @@ class MasterWeights:
         if tensors:
             self._set_marks(tensors, ops.fingerprint(tensors))
 
-    def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor) -> None:
+    def _set_marks(self, tensors: List[torch.Tensor], fingerprints: torch.Tensor, agreed: bool = True) -> None:
+        """Mark the model tensors; ``agreed``: their masters round to them now (else, adopting
+        the model's writes, a master written or replaced on its own side may still differ)."""
         for tensor, fingerprint in zip(tensors, fingerprints):
             self._marks[tensor] = (_stamp(tensor), fingerprint)
-        self._note_agreed(tensors)
+        if agreed:
+            self._note_agreed(tensors)
 
     def _note_agreed(self, tensors: List[torch.Tensor]) -> None:
         """The masters of these model tensors agree with them now (see :meth:`before_forward`)."""
@@ -597,6 +648,7 @@ class MasterWeights:
             if master is None:
                 continue
             self._master_version[tensor] = master._version
+            self._master_storage[tensor] = master.data_ptr()
             index = checks.index.get(tensor) if checks is not None else None
             if index is not None:
                 checks.versions[index] = master._version

@@ -191,7 +191,7 @@ def test_legacy_init_disabled_is_apexs_no_op_handle():
     fp32 configs; apex returned a handle that does nothing (it raised here).  A loop through it
     trains exactly like plain torch."""
     handle = ampinit.init(enabled=False, verbose=False)
-    assert not handle.is_active()
+    assert not handle.is_active() and handle.verbose is False
 
     def run(through_handle):
         torch.manual_seed(0)

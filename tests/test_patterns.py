@@ -1,6 +1,7 @@
 """Training patterns at O1, O2 and O5: accumulation, clipping, gradient penalty, sparse
 gradients, several models/losses; overflow diagnostics and persistent NaN."""
 import collections
+import math
 
 import pytest
 import torch
@@ -433,3 +434,75 @@ def test_a_generator_loss_reaching_the_discriminator(level, style):
         return
     for got, want in zip(run(level), run(None)):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if level == "O5" else 3e-3)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("overflow_in", ["first", "second"])
+def test_sam_recovers_from_a_skipped_step_like_fp32_sam(level, overflow_in):
+    """An inf in one of SAM's backwards: the perturbation (inf/NaN, or finite) reaches the model
+    at the second forward, second_step restores the masters through ``p.data = old`` (no version
+    counter sees that) and the step is skipped, so nothing copied the masters back: the model
+    kept the perturbed (or NaN, for good) weights.  Reference: FP32 SAM that skips that step."""
+    def run(level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        sam = _Sam(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9, rho=0.05)
+        base = sam.base_optimizer
+        if level is not None:
+            model, _ = amp.initialize(model, base, opt_level=level, verbosity=0, loss_scale=128.0)
+        losses = []
+        for i in range(8):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            x = x.to(next(model.parameters()).dtype)
+            poison = [float("inf") if i == 3 and overflow_in == which else 1.0 for which in ("first", "second")]
+            bad = False
+            for k in range(2):
+                loss = (model(x).float() - y).pow(2).mean() * poison[k]
+                if level is None:
+                    loss.backward()
+                    bad = bad or any(not torch.isfinite(p.grad).all() for p in model.parameters())
+                else:
+                    with amp.scale_loss(loss, base) as scaled:
+                        scaled.backward()
+                if k == 0:
+                    sam.first_step()
+            if level is None and bad:  # the FP32 reference skips the step: restore, no update
+                for group in sam.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.data = sam.state[p]["old"]
+                sam.zero_grad()
+            else:
+                sam.second_step()
+            losses.append(float(loss))
+        return [p.detach().float() for p in model.parameters()], losses
+
+    reference, ref_losses = run(None)
+    got, losses = run(level)
+    assert all(math.isfinite(v) for i, v in enumerate(losses) if i != 3)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r, rtol=0, atol=0.02 if level == "O5" else 1e-3)
+
+
+@pytest.mark.parametrize("forward", ["model", "submodule"])
+def test_sam_with_a_forward_the_check_does_not_see_is_logged(forward, caplog):
+    """The forward pre-hook that carries SAM's perturbation into the model runs on the
+    initialized model's own eager forward; a forward through a submodule (or under
+    torch.compile) computes with the old weights, which the next scale_loss tells and logs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    sam = _Sam(model.parameters(), torch.optim.SGD, lr=0.1)
+    model, _ = amp.initialize(model, sam.base_optimizer, opt_level="O2", verbosity=0, loss_scale=128.0)
+    run = model if forward == "model" else model[0]
+    x, y = torch.randn(16, 8).half(), torch.randn(16, 4)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for _ in range(2):
+            for k in range(2):
+                with amp.scale_loss((run(x).float() - y).pow(2).mean(), sam.base_optimizer) as scaled:
+                    scaled.backward()
+                if k == 0:
+                    sam.first_step()
+            sam.second_step()
+    assert ("the forward since did not see it" in caplog.text) == (forward == "submodule")
+    assert caplog.text.count("the forward since did not see it") <= 1
