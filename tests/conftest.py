@@ -100,3 +100,24 @@ def clear_grads(style, model, opt):
     else:
         for p in model.parameters():
             p.grad = None
+
+
+def amp_backward(loss, optimizers, level):
+    """``loss.backward()`` for an FP32 reference run (``level`` None), else through
+    ``ampinit.scale_loss``."""
+    import ampinit as amp
+    if level is None:
+        loss.backward()
+        return
+    with amp.scale_loss(loss, optimizers) as scaled:
+        scaled.backward()
+
+
+def initialize_at(model, opt, level, remainders=False, **kwargs):
+    """``ampinit.initialize`` at ``level`` (quiet, static scale 128 unless given), with remainder
+    masters when asked."""
+    import ampinit as amp
+    kwargs.setdefault("loss_scale", 128.0)
+    if remainders:
+        kwargs["master_weights"] = "remainder"
+    return amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampinit as amp
-from conftest import batch
+from conftest import amp_backward, batch
 
 LEVELS = ["O1", "O2", "O5"]
 TOL = {"O1": dict(rtol=2e-2, atol=2e-3), "O2": dict(rtol=2e-2, atol=2e-3), "O5": dict(rtol=6e-2, atol=1e-2)}
@@ -407,23 +407,13 @@ def test_a_generator_loss_reaching_the_discriminator(level, style):
             z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
             opt_g.zero_grad()
             opt_d.zero_grad()
-            loss_g = -D(G(z)).float().mean()
-            if level is None:
-                loss_g.backward()
-            else:
-                with amp.scale_loss(loss_g, [opt_g, opt_d] if style == "both_optimizers" else opt_g) as scaled:
-                    scaled.backward()
+            amp_backward(-D(G(z)).float().mean(), [opt_g, opt_d] if style == "both_optimizers" else opt_g, level)
             opt_g.step()
             if style == "zero_d_first":
                 opt_d.zero_grad()
             elif style == "model_zero_grad":
                 D.zero_grad()
-            loss_d = D(real).float().mean() - D(G(z).detach()).float().mean()
-            if level is None:
-                loss_d.backward()
-            else:
-                with amp.scale_loss(loss_d, opt_d) as scaled:
-                    scaled.backward()
+            amp_backward(D(real).float().mean() - D(G(z).detach()).float().mean(), opt_d, level)
             opt_d.step()
         return [p.detach().float().clone() for p in list(G.parameters()) + list(D.parameters())]
 

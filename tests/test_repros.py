@@ -14,7 +14,7 @@ from torch import nn
 
 import ampinit as amp
 import ampinit.optim
-from conftest import ZERO_STYLES, clear_grads
+from conftest import ZERO_STYLES, amp_backward, clear_grads, initialize_at
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 MASTER_LEVELS = ["O2", "O5"]
@@ -568,8 +568,7 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         opt = (amp.optim.FusedAdam if remainders else torch.optim.Adam)(model.parameters(), lr=1e-2)
-        extra = {"master_weights": "remainder"} if remainders else {}
-        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+        model, opt = initialize_at(model, opt, level, remainders)
         pretrained = {"2.weight": torch.linspace(-1, 1, 16).reshape(2, 8), "2.bias": torch.tensor([0.3, -0.7])}
         write(model, pretrained)
         dtype = next(model.parameters()).dtype
@@ -1146,8 +1145,7 @@ def test_r13d_a_layer_frozen_before_initialize_trains_once_unfrozen(level, remai
         cls = amp.optim.FusedAdam if remainders else torch.optim.Adam
         opt = cls(model[2].parameters() if staged else model.parameters(), lr=1e-2)
         if level is not None:
-            extra = {"master_weights": "remainder"} if remainders else {}
-            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+            model, opt = initialize_at(model, opt, level, remainders)
         if not frozen_before:
             model[0].requires_grad_(False)
         gen = torch.Generator().manual_seed(1)
@@ -1155,12 +1153,7 @@ def test_r13d_a_layer_frozen_before_initialize_trains_once_unfrozen(level, remai
         def step():
             x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
             opt.zero_grad()
-            loss = (model(x.to(next(model.parameters()).dtype)).float() - y).pow(2).mean()
-            if level is None:
-                loss.backward()
-            else:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
+            amp_backward((model(x.to(next(model.parameters()).dtype)).float() - y).pow(2).mean(), opt, level)
             opt.step()
 
         for _ in range(3):
@@ -1204,8 +1197,7 @@ def test_r13e_reading_state_dict_while_ema_weights_are_swapped_in_costs_the_mast
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         opt = (amp.optim.FusedSGD if remainders else torch.optim.SGD)(model.parameters(), lr=1e-4)
-        extra = {"master_weights": "remainder"} if remainders else {}
-        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0, **extra)
+        model, opt = initialize_at(model, opt, level, remainders)
         ema = [p.detach().clone() for p in model.parameters()]
         gen = torch.Generator().manual_seed(0)
         x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 4, generator=gen)
