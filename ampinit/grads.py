@@ -106,9 +106,9 @@ class GradientFlow:
         self.pending: Optional[_Pending] = None
         self.in_scale_loss = False
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
-        # model parameter -> (its gradient, version, loss id): left, still scaled, by the backward
-        # of a scale_loss for another optimizer of the same initialization (see note_foreign_grads)
-        self._foreign: Dict[torch.Tensor, Tuple[weakref.ref, int, int]] = {}
+        # model parameter -> (its gradient, version): left, still scaled, by the backward of a
+        # scale_loss for another optimizer of the same initialization (see note_foreign_grads)
+        self._foreign: Dict[torch.Tensor, Tuple[weakref.ref, int]] = {}
         self._tokens: Dict[torch.Tensor, _Token] = {}
         # The tokens scale_loss took off the model on entry, until its backward starts: put
         # back if none does (an exception before the backward), so their history survives.
@@ -482,7 +482,7 @@ class GradientFlow:
         ``scale_loss`` that this optimizer is not part of."""
         return {model: (model.grad, -1 if model.grad is None else model.grad._version) for model, _ in self.pairs()}
 
-    def note_foreign_grads(self, before: Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]], loss_id: int) -> None:
+    def note_foreign_grads(self, before: Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]]) -> None:
         """After that backward: the gradients it created or changed here stay multiplied by its
         loss scale, which only the optimizers passed to that ``scale_loss`` unscale (a GAN's
         generator loss reaches the discriminator's parameters).  They are harmless if cleared
@@ -495,12 +495,12 @@ class GradientFlow:
             old, version = before.get(model, (None, -1))
             if old is grad and version == grad._version:
                 continue
-            self._foreign[model] = (weakref.ref(grad), grad._version, loss_id)
+            self._foreign[model] = (weakref.ref(grad), grad._version)
 
     def check_foreign_grads(self, what: str) -> None:
         """Raise before ``what`` (this optimizer's scale_loss or step) uses a gradient that
         another optimizer's ``scale_loss`` left scaled and nobody cleared since.  Changes nothing."""
-        live = [model for model, (ref, version, _) in self._foreign.items()
+        live = [model for model, (ref, version) in self._foreign.items()
                 if model.grad is not None and model.grad is ref() and model.grad._version == version]
         if not live:
             self._foreign.clear()

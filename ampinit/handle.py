@@ -243,6 +243,8 @@ class AmpHandle:
         if self.masters is None:
             return
         mapping = {}
+        self.masters.check_no_overlap([p for group in optimizer.param_groups for p in group["params"]
+                                       if p.dtype in _LOW_PRECISION])
         for group in optimizer.param_groups:
             params = []
             for param in group["params"]:
@@ -369,7 +371,7 @@ class AmpHandle:
             for flow in flows:
                 flow.in_scale_loss = False
             for flow, before in others:
-                flow.note_foreign_grads(before, loss_id)
+                flow.note_foreign_grads(before)
         self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
 
     def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,

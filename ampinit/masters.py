@@ -60,11 +60,6 @@ __all__ = ["MasterWeights"]
 logger = logging.getLogger("ampinit")
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's elements as integers of their width (NaN equal to itself, -0.0 not to 0.0)."""
-    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-
-
 def _byte_span(tensor: torch.Tensor) -> Optional[Tuple[int, int, int]]:
     """``(storage address, first byte, end byte)`` of the memory a tensor's elements lie in, or
     ``None`` for an empty tensor."""
@@ -249,8 +244,12 @@ class MasterWeights:
         tensor: the model's value where it no longer holds the master's rounding, the master
         elsewhere (adopt_changes_'s rule), so that elements the write left alone keep their FP32
         bits (WGAN's clamp changes a few)."""
-        master = self._value[tensor].detach()
-        return torch.where(_bits(tensor.detach()) != _bits(master.to(tensor.dtype)), tensor.detach().float(), master)
+        return torch.where(self._written_elements(tensor), tensor.detach().float(), self._value[tensor].detach())
+
+    def _written_elements(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Where the model tensor no longer holds its master's rounding: ``ops.adopt_changes_``'s
+        rule for what a write changed."""
+        return tensor.detach().ne(self._value[tensor].detach().to(tensor.dtype))
 
     def _written_since_marked(self, tensors: Optional[List[torch.Tensor]]) -> Dict[torch.Tensor, tuple]:
         """The FP32-master model tensors among ``tensors`` (default: all) written since ampinit
@@ -271,19 +270,15 @@ class MasterWeights:
             return {}
         self.check_model(tensors)
         now = ops.fingerprint(tensors)
-        never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
         # the content decides (a write of the same values is no write); a new storage or layout
         # always counts
-        then = torch.stack([self._marks[t][1] if t in self._marks and self._marks[t][0][1:] == _stamp(t)[1:]
-                            else never for t in tensors])
-        changed = now.ne(then).tolist()
+        changed = now.ne(self._marked_fingerprints(tensors, now, content_only=True)).tolist()
         candidates = [(t, fingerprint) for t, fingerprint, written in zip(tensors, now, changed) if written]
         if not candidates:
             return {}
         # a changed fingerprint may still hold the master's rounding (model.load_state_dict wrote
         # both): written means a value the master does not round to, as adopt_changes_ decides
-        differ = torch.stack([_bits(t).ne(_bits(self._value[t].detach().to(t.dtype))).any()
-                              for t, _ in candidates]).tolist()
+        differ = torch.stack([self._written_elements(t).any() for t, _ in candidates]).tolist()
         agreeing = [(t, fingerprint) for (t, fingerprint), d in zip(candidates, differ) if not d]
         if agreeing:
             self._set_marks([t for t, _ in agreeing], [fingerprint for _, fingerprint in agreeing])
@@ -451,8 +446,6 @@ class MasterWeights:
             self._updated.add(param)
             return param
         master = self._value.get(param)
-        if master is None:
-            self.check_no_overlap([param])
         if master is None and self._remainder_mode and param.dtype == torch.bfloat16:
             if param.is_contiguous():
                 # bfloat16 already (cast by the user): its master is the weight, with zero remainders
@@ -605,8 +598,7 @@ class MasterWeights:
         if not tensors:
             return
         now = ops.fingerprint(tensors)
-        never = torch.full((), -1, dtype=now.dtype, device=now.device)  # no fingerprint is negative
-        then = torch.stack([self._marks[t][1] if self._stamp_holds(t) else never for t in tensors])
+        then = self._marked_fingerprints(tensors, now, content_only=False)
         # masters that agreed with their models still do after the adoption (whose in-place op
         # bumps every version counter); one written or replaced on its own side does not
         agreed = [t for t in tensors if self._value[t]._version == self._master_version.get(t)
@@ -615,6 +607,17 @@ class MasterWeights:
             ops.adopt_changes_([self._value[t] for t in tensors], tensors, only=now.ne(then).float())
         self._set_marks(tensors, now, agreed=False)
         self._note_agreed(agreed)
+
+    def _marked_fingerprints(self, tensors: List[torch.Tensor], like: torch.Tensor, content_only: bool) -> torch.Tensor:
+        """The fingerprints the tensors were marked with, -1 (no fingerprint is negative) where
+        the mark no longer holds: any change of the stamp, or (``content_only``) of storage or
+        strides only, a version bump alone leaving the content to decide."""
+        never = torch.full((), -1, dtype=like.dtype, device=like.device)
+        if content_only:
+            holds = [t in self._marks and self._marks[t][0][1:] == _stamp(t)[1:] for t in tensors]
+        else:
+            holds = [self._stamp_holds(t) for t in tensors]
+        return torch.stack([self._marks[t][1] if held else never for t, held in zip(tensors, holds)])
 
     def _stamp_holds(self, tensor: torch.Tensor) -> bool:
         """Marked, with the version counter, storage and strides it had then (see ``_stamp``)."""
