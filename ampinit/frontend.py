@@ -18,6 +18,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
@@ -111,6 +112,21 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
         if handle_of_model(model) is not None:
             raise RuntimeError("this model is already initialized by ampinit; call "
                                "ampinit.end(model) before initializing it again")
+        if config.casts_model or config.master_weights:
+            _check_no_lazy_tensors(model, config)
+
+
+def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
+    """A lazy module's parameters have no shape until its first forward: they can be neither
+    cast nor given an FP32 master, and finding that out half-way would leave the model cast."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    lazy = [name for name, tensor in named if is_lazy(tensor)]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} {'is' if len(lazy) == 1 else 'are'} "
+            f"uninitialized (a lazy module such as nn.LazyLinear that has not run a forward yet), so "
+            f"opt_level={config.opt_level!r} can neither cast {'it' if len(lazy) == 1 else 'them'} nor keep an "
+            "FP32 master: run one forward with a dummy batch before ampinit.initialize")
 
 
 def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch.device, config: AmpConfig) -> None:

@@ -165,3 +165,32 @@ def test_a_parameter_listed_twice_is_named_for_what_it_is():
     with pytest.raises(ValueError, match="in two of the optimizers"):
         amp.initialize(model, [first, second], opt_level="O2", verbosity=0)
     assert model.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3", "O5"])
+def test_a_lazy_module_before_its_first_forward_is_refused_untouched(opt_level):
+    """nn.LazyLinear has no shape before its first forward: it can be neither cast nor given a
+    master.  initialize says so before casting anything; after one dummy forward it works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LazyLinear(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = model[0].weight.detach().clone()  # (snapshot() cannot read a lazy parameter)
+    with pytest.raises(ValueError, match="2.weight, 2.bias are uninitialized.*dummy batch"):
+        amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, weight)
+    assert not model._forward_pre_hooks and not model._forward_hooks and type(opt) is torch.optim.SGD
+    model(torch.zeros(1, 4))
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    assert model[2].weight.dtype != torch.float32 and len(model._forward_pre_hooks) >= 1
+
+
+def test_a_lazy_module_trains_at_o1():
+    """Autocast levels neither cast nor copy parameters: a lazy module is fine there."""
+    model = nn.Sequential(nn.LazyLinear(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    loss = model(torch.ones(3, 4)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert model[0].weight.shape == (2, 4)
