@@ -94,6 +94,7 @@ class OptimizerBinding:
         optimizer is fused or no ``scale_loss`` ran since the last step."""
         self.handle.check_not_ended()
         flow = self.flow
+        self._check_not_inside_scale_loss()
         flow.check_ready_for_step()
         flow.check_foreign_grads("optimizer.step()")
         if flow.masters is not None:
@@ -110,6 +111,26 @@ class OptimizerBinding:
             self.skip_step()
             return False
         return True
+
+    def _check_not_inside_scale_loss(self) -> None:
+        """A step inside the ``scale_loss`` block (or in a hook its backward runs) would update
+        with gradients that are still multiplied by the loss scale, or not yet in the masters.
+        Only a static scale of 1 without masters (O0, O4) leaves them right there, as in apex:
+        reading that scale syncs, but only on this path."""
+        flow = self.flow
+        if not flow.in_scale_loss:
+            return
+        scaler = flow.active_scaler
+        if flow.masters is None and not scaler.dynamic and scaler.loss_scale() == 1.0:
+            return
+        raise RuntimeError(
+            "optimizer.step() ran inside `with ampinit.scale_loss(loss, optimizer) as scaled_loss:` (in the block, "
+            "or in a hook run by scaled_loss.backward(), such as a register_post_accumulate_grad_hook that steps "
+            "the optimizer): there the gradients are still multiplied by the loss scale"
+            f"{'' if flow.masters is None else ' and not yet in the FP32 master weights'}, so the update would be "
+            "wrong.  Call optimizer.step() after the with block.  An optimizer stepped during the backward needs "
+            "gradients that are final when each is produced, which loss scaling cannot give: use opt_level='O4' "
+            "(bf16 autocast, no loss scale) for it")
 
     def fused_inputs(self) -> dict:
         """What a fused optimizer's update reads besides ``param.grad`` (``_amp_update``'s

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -105,6 +105,7 @@ class GradientFlow:
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
         self.pending: Optional[_Pending] = None
         self.in_scale_loss = False
+        self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
         # scale_loss for another optimizer of the same initialization (see note_foreign_grads)

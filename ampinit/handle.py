@@ -360,6 +360,7 @@ class AmpHandle:
         for flow in flows:
             flow.prepare_backward()
             flow.in_scale_loss = True
+            flow.active_scaler = scaler
         try:
             yield scaled
         except BaseException:
@@ -370,6 +371,7 @@ class AmpHandle:
         finally:
             for flow in flows:
                 flow.in_scale_loss = False
+                flow.active_scaler = None
             for flow, before in others:
                 flow.note_foreign_grads(before)
         self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
