@@ -449,6 +449,32 @@ def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
     assert scales == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_sgd"])
+def test_fp16_optimizer_overflow_stays_set_after_the_skipped_step(fused):
+    """Megatron's loop: `optimizer.step(); if not optimizer.overflow: lr_scheduler.step()`.  apex
+    keeps `overflow` from the backward through step() and zero_grad() until the next backward
+    unscales: the LR schedule must not advance on a skipped step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).half()
+    inner = (amp.optim.FusedSGD if fused else torch.optim.SGD)(model.parameters(), lr=0.1)
+    opt = fp16_utils.FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2 ** 10},
+                                    verbose=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    x = torch.randn(8, 4).half()
+    seen = []
+    for it in range(5):
+        opt.zero_grad()
+        after_zero_grad = opt.overflow
+        loss = model(x).float().pow(2).mean() * (float("inf") if it == 2 else 1.0)
+        opt.backward(loss)
+        opt.step()
+        seen.append((after_zero_grad, opt.overflow))
+        if not opt.overflow:
+            sched.step()
+    assert seen == [(False, False), (False, False), (False, True), (True, False), (False, False)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4) and opt.loss_scale == 2 ** 9
+
+
 def test_fp16_optimizer_bad_scale_factor():
     model = nn.Linear(2, 2).half()
     with pytest.raises(ValueError, match="scale_factor"):

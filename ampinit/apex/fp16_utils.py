@@ -178,6 +178,9 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)
         self._binding = binding_of(init_optimizer)
         self._scaler = self._handle.loss_scalers[0]
+        # The overflow flag of the gradients the last step() used (None: no gradient, or no step
+        # yet): apex's `overflow` keeps that answer until the next backward unscales new ones.
+        self._step_found_inf: Optional[torch.Tensor] = None
 
     @staticmethod
     def _dynamic_scaling(dynamic_loss_args: Dict[str, Any]) -> Dict[str, Any]:
@@ -212,7 +215,13 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         if closure is not None:
             raise NotImplementedError("FP16_Optimizer.step(closure) is not supported by ampinit: call backward() "
                                       "and then step()")
-        return self.optimizer.step()
+        flow = self._binding.flow
+        # a device copy, read only if `overflow` is asked: Megatron's loop skips its LR
+        # scheduler on `optimizer.overflow` right after a skipped step
+        step_found_inf = flow.found_inf.clone() if flow.unscaled_since_step else None
+        result = self.optimizer.step()
+        self._step_found_inf = step_found_inf
+        return result
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 (apex's name)
         self.optimizer.zero_grad(set_to_none=set_grads_to_None)
@@ -234,9 +243,12 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
 
     @property
     def overflow(self) -> bool:
-        """Whether the gradients since the last step overflowed (a host sync)."""
+        """Whether the latest unscaled gradients overflowed: those since the last step, or else
+        those the last step used, so it reads True after a skipped step, as in apex (a host sync)."""
         flow = self._binding.flow
-        return bool(flow.unscaled_since_step and flow.found_inf.item())
+        if flow.unscaled_since_step:
+            return bool(flow.found_inf.item())
+        return self._step_found_inf is not None and bool(self._step_found_inf.item())
 
     @property
     def loss_scale(self) -> float:
