@@ -491,21 +491,29 @@ class AmpHandle:
     def load_state_dict(self, state_dict: Any) -> None:
         """Restore :meth:`state_dict` output or an apex ``amp.state_dict()``.
 
-        Everything is validated before anything changes: a mismatched or malformed checkpoint
-        raises ``ValueError`` and leaves this handle as it was.  A dynamic scale outside
+        Everything is validated before anything changes: a malformed checkpoint, or one for
+        other optimizers, raises ``ValueError`` and leaves this handle as it was.  One with another
+        ``num_losses`` loads its first scalers with a warning, as apex.  A dynamic scale outside
         ``[min_loss_scale, max_loss_scale]`` is clamped into it with a warning.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"amp state_dict must be a dict; got {type(state_dict).__name__}")
         scaler_keys = sorted((k for k in state_dict if isinstance(k, str) and k.startswith("loss_scaler")),
                              key=lambda k: (len(k), k))
-        expected = [f"loss_scaler{i}" for i in range(len(self.loss_scalers))]
-        if scaler_keys != expected:
-            raise ValueError(f"amp state_dict holds {scaler_keys or 'no loss scalers'}, but this "
-                             f"initialization has num_losses={len(self.loss_scalers)} ({expected}); "
-                             "initialize with the num_losses the checkpoint was saved with")
-        for key in expected:
+        if not scaler_keys or scaler_keys != [f"loss_scaler{i}" for i in range(len(scaler_keys))]:
+            raise ValueError(f"amp state_dict holds {scaler_keys or 'no loss scalers'}; an amp state_dict has "
+                             "loss_scaler0 ... loss_scaler{N-1}, one per loss (num_losses=N)")
+        for key in scaler_keys:
             LossScaler.check_state_dict(state_dict[key], key)
+        # as apex: a checkpoint with another num_losses loads its first scalers, with a warning
+        expected = scaler_keys[:len(self.loss_scalers)]
+        if len(scaler_keys) != len(self.loss_scalers):
+            kept = len(expected)
+            self.log(0, f"ampinit: the amp state_dict holds {len(scaler_keys)} loss scalers but this initialization "
+                        f"has num_losses={len(self.loss_scalers)}: loaded loss_scaler0..{kept - 1}"
+                        + (f", ignored the other {len(scaler_keys) - kept}" if len(scaler_keys) > kept else
+                           f"; losses {kept}..{len(self.loss_scalers) - 1} keep their initial scale"),
+                     logging.WARNING)
         counters = self._check_counters(state_dict.get("ampinit"))
         for binding in self._bindings:
             binding.resolve_fused_steps(wait=True)  # settle what earlier steps owe first

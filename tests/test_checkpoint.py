@@ -85,8 +85,27 @@ def test_apex_checkpoint_loads():
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 17
 
 
+@pytest.mark.parametrize("saved, live", [(3, 1), (3, 2), (1, 3)])
+def test_an_amp_checkpoint_with_another_num_losses_loads_its_first_scalers_as_apex(saved, live, caplog):
+    """apex's amp.load_state_dict warns and loads min(saved, live) scalers (a GAN checkpoint
+    resumed or fine-tuned with another loss count); the rest keep their initial scale."""
+    source_model, source_opt = make_setup("O2", num_losses=saved)
+    for index, scaler in enumerate(source_opt.amp.loss_scalers):
+        scaler.set_scale(2.0 ** (4 + index))
+    checkpoint = amp.state_dict()
+    model, opt = make_setup("O2", num_losses=live)
+    initial = [s.loss_scale() for s in opt.amp.loss_scalers]
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.load_state_dict(checkpoint)
+    kept = min(saved, live)
+    assert [s.loss_scale() for s in opt.amp.loss_scalers] == [2.0 ** (4 + i) for i in range(kept)] + initial[kept:]
+    assert f"holds {saved} loss scalers but this initialization has num_losses={live}" in caplog.text
+
+
 @pytest.mark.parametrize("bad, match", [
-    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}, "num_losses"),
+    ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+      "loss_scaler2": {"loss_scale": 2.0, "unskipped": 0}}, "one per loss"),
+    ({"ampinit": {"version": 1}}, "no loss scalers"),
     ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
       "loss_scaler1": {"loss_scale": -2.0, "unskipped": 0}}, "loss_scale"),
     ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0},
