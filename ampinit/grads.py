@@ -105,6 +105,8 @@ class GradientFlow:
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
         self.pending: Optional[_Pending] = None
         self.in_scale_loss = False
+        # model parameters whose gradients drop_all_grads dropped since zero_grad
+        self._dropped: List[torch.Tensor] = []
         self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
@@ -524,6 +526,8 @@ class GradientFlow:
 
     def drop_all_grads(self) -> None:
         """After a skipped or fused step: no gradient of it may reach the next one."""
+        self._dropped = [model for model, master in self.pairs()
+                         if model.grad is not None or master.grad is not None or master in self.deferred]
         for model, master in self.pairs():
             model.grad = None
             self.keep_spare(master)
@@ -543,6 +547,18 @@ class GradientFlow:
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer cleared the masters' gradients: the model-side gradients of
         distinct pairs, the overflow and pending state go too."""
+        if not set_to_none:
+            # torch would zero the gradients the step left, and the optimizer would then step a
+            # parameter no backward reaches with a zero gradient (weight decay, momentum); the
+            # ones drop_all_grads dropped come back as zeros to keep that
+            masters = {model: master for model, master in self.distinct_pairs()}
+            for model in self._dropped:
+                if model.grad is None:
+                    model.grad = torch.zeros_like(model)
+                master = masters.get(model)
+                if master is not None and master.grad is None:
+                    master.grad = torch.zeros_like(master)
+        self._dropped = []
         for model, _ in self.distinct_pairs():
             if model.grad is None:
                 self._tokens.pop(model, None)

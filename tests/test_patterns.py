@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampinit as amp
-from conftest import amp_backward, batch
+from conftest import amp_backward, batch, initialize_at
 
 LEVELS = ["O1", "O2", "O5"]
 TOL = {"O1": dict(rtol=2e-2, atol=2e-3), "O2": dict(rtol=2e-2, atol=2e-3), "O5": dict(rtol=6e-2, atol=1e-2)}
@@ -541,3 +541,44 @@ def test_a_step_inside_scale_loss_trains_like_fp32_without_scale_or_masters(leve
     ref = _step_inside_scale_loss(None, in_hook)
     torch.testing.assert_close(_step_inside_scale_loss(level, in_hook), ref,
                                rtol=0 if level == "O0" else 2e-2, atol=0 if level == "O0" else 2e-3)
+
+
+def _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow):
+    """A branch that only some steps use (MoE experts, auxiliary heads), and
+    zero_grad(set_to_none=False): the branch's parameters still step on a zero gradient there."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
+    opt = make_opt(model.parameters())
+    if level is not None:
+        model, opt = initialize_at(model, opt, level)
+    for step in range(8):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).to(model["a"].weight.dtype)
+        opt.zero_grad(set_to_none=False)
+        out = model["a"](x) + (model["b"](x) if step % 3 == 0 else 0)
+        loss = out.float().pow(2).mean() * (float("inf") if step == planted_overflow else 1.0)
+        if level is None:
+            if step == planted_overflow:
+                continue  # GradScaler's skip: the gradients stay until the next zero_grad
+            loss.backward()
+        else:
+            amp_backward(loss, opt, level)
+        opt.step()
+    return [p.detach().float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("planted_overflow", [None, 4], ids=["clean", "skipped_step"])
+@pytest.mark.parametrize("make_opt", [
+    lambda p: amp.optim.FusedAdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: amp.optim.FusedSGD(p, lr=1e-2, momentum=0.9, weight_decay=0.1),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+], ids=["FusedAdamW", "FusedSGD", "AdamW"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
+def test_zero_grad_keeping_tensors_steps_an_unused_branch_like_fp32(level, make_opt, planted_overflow):
+    """A fused step (and a skipped one) drops the gradients; zero_grad(set_to_none=False) must
+    give them back as zeros, as torch's would leave them: else the optimizer skips the branch
+    (weight decay and momentum lost: 15% off after 12 steps)."""
+    ref = _unused_branch_with_zeroed_grads(None, make_opt, planted_overflow)
+    got = _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow)
+    tol = {"O0": 0, "O1": 2e-3, "O2": 2e-3, "O5": 2e-2}[level]
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
