@@ -580,6 +580,8 @@ class AmpHandle:
         dtype (taking its FP32 value, the master's for a parameter).  Idempotent."""
         if self.ended:
             return
+        if self.masters is not None:
+            self.masters.sync()  # the model's writes since the last step (no_grad, .data, prune.remove) first
         self.ended = True
         for binding in self._bindings:
             _uninstall_masters(binding)

@@ -6,6 +6,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import ampinit as amp
 from conftest import batch, make_setup, train_step
@@ -37,6 +38,38 @@ def test_end_restores_fp32_model_with_master_values(level):
     handle.end()  # idempotent on the handle
     with pytest.raises(RuntimeError, match="not initialized"):
         amp.end(model2)  # the model no longer has an initialization to end
+
+@pytest.mark.parametrize("write", ["no_grad", "data", "init", "prune_remove", "state_dict"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_end_keeps_writes_to_the_model_made_since_the_last_step(level, write, caplog):
+    """An EMA copied into the model for export (diffusers' ema.copy_to), nn.init, pruning made
+    permanent, then end(): the FP32 model must hold the write, as model.state_dict() did just
+    before, not the masters of the last step."""
+    model, opt = make_setup(level, optimizer="sgd")
+    for step in range(3):
+        train_step(model, opt, step)
+    weight = model.fc1.weight
+    if write == "no_grad":
+        with torch.no_grad():
+            weight.fill_(0.5)
+    elif write == "data":
+        weight.data.zero_()
+    elif write == "init":
+        nn.init.constant_(weight, 0.25)
+    elif write == "state_dict":
+        model.state_dict()["fc1.weight"].fill_(0.5)
+    else:
+        prune.l1_unstructured(model.fc1, "weight", amount=0.5)
+        prune.remove(model.fc1, "weight")
+    expected = model.state_dict()["fc1.weight"].float().clone()
+    untouched = model.state_dict()["fc2.weight"].float().clone()
+    with caplog.at_level(logging.WARNING, logger="ampinit"):
+        amp.end(opt)
+    assert model.fc1.weight.dtype == torch.float32 and torch.equal(model.fc1.weight, expected)
+    assert torch.equal(model.fc2.weight, untouched) and "written" not in caplog.text
+    if write == "prune_remove":
+        assert (model.fc1.weight == 0).sum() == weight.numel() // 2
+
 
 def test_double_initialize_is_rejected_until_ended():
     model, opt = make_setup("O2")
