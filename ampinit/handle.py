@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -57,28 +58,43 @@ def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
     return link.handle if isinstance(link, _HandleLink) else None
 
 
+def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> List[tuple]:
+    """``(name, tensor, original dtype)`` of the cast tensors ``module`` holds now, found by
+    identity: a parameter renamed since ``initialize`` (pruning's ``weight_orig``) is found too."""
+    return [(name, t, original[t]) for name, t in list(module._parameters.items()) + list(module._buffers.items())
+            if t is not None and t in original]
+
+
 class _SaveFP32Values:
     """``model.state_dict()`` hook of one module: cast tensors report their FP32 values (the
     masters), in their original dtypes.  A copy of the model (dead link: an EMA made with
     ``copy.deepcopy``) has no masters and reports its own tensors, as torch does, so in-place
-    updates through its state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it."""
+    updates through its state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it.
 
-    def __init__(self, link: _HandleLink, original_dtypes: Dict[str, torch.dtype]):
+    On the model itself (``later_modules``) it also serves the modules made after
+    ``initialize`` that hold cast tensors moved into them (a parametrization's ``original``)."""
+
+    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype],
+                 later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
         self.link = link
-        self.original_dtypes = original_dtypes
+        self.original = original
+        self.later_modules = later_modules
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         handle = self.link.handle
         if handle is None:
             return
-        for name, dtype in self.original_dtypes.items():
-            key = prefix + name
-            if key not in state_dict:
-                continue
-            keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
-            value = handle.report_fp32_value(_local_tensor(module, name), dtype, keep_vars)
-            # no master (O3): its value in the original dtype, a copy, as apex reported it
-            state_dict[key] = state_dict[key].to(dtype) if value is None else value
+        modules = [(prefix, module)] if self.later_modules is None else \
+            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
+        for module_prefix, owner in modules:
+            for name, tensor, dtype in _cast_tensors_of(owner, self.original):
+                key = module_prefix + name
+                if key not in state_dict:
+                    continue
+                keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
+                value = handle.report_fp32_value(tensor, dtype, keep_vars)
+                # no master (O3): its value in the original dtype, a copy, as apex reported it
+                state_dict[key] = state_dict[key].to(dtype) if value is None else value
 
 
 class _ReportingWindow:
@@ -126,27 +142,27 @@ class _BeforeForward:
 
 
 class _LoadFP32Values:
-    """``model.load_state_dict()`` hook of one module: cast tensors load their FP32 values too,
-    so a checkpoint's full-precision values are not lost to the model's rounding."""
+    """``model.load_state_dict()`` hook of one module (or, with ``later_modules``, of the
+    modules made after ``initialize``): cast tensors load their FP32 values too, so a
+    checkpoint's full-precision values are not lost to the model's rounding."""
 
-    def __init__(self, link: _HandleLink, names: List[str]):
+    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype],
+                 later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
         self.link = link
-        self.names = names
+        self.original = original
+        self.later_modules = later_modules
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         handle = self.link.handle
         if handle is None:
             return
-        for name in self.names:
-            value = state_dict.get(prefix + name)
-            tensor = _local_tensor(module, name)
-            if tensor is not None and isinstance(value, torch.Tensor):
-                handle.load_fp32_value(tensor, value)
-
-
-def _local_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
-    tensor = module._parameters.get(name)
-    return module._buffers.get(name) if tensor is None else tensor
+        modules = [(prefix, module)] if self.later_modules is None else \
+            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
+        for module_prefix, owner in modules:
+            for name, tensor, _ in _cast_tensors_of(owner, self.original):
+                value = state_dict.get(module_prefix + name)
+                if isinstance(value, torch.Tensor):
+                    handle.load_fp32_value(tensor, value)
 
 
 class AmpHandle:
@@ -460,17 +476,26 @@ class AmpHandle:
 
     def _install_state_dict_hooks(self, model: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> list:
         """``model.state_dict()`` reports the FP32 values of cast tensors in their original
-        dtypes; ``model.load_state_dict()`` writes the FP32 values too."""
+        dtypes; ``model.load_state_dict()`` writes the FP32 values too.  Each module holding
+        cast tensors gets its own hooks (a submodule's ``state_dict()`` reports too); the model's
+        root serves the modules made later."""
         hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
+        hooked = weakref.WeakSet()
         for module in model.modules():
-            owned = {name: t for name, t in list(module._parameters.items()) + list(module._buffers.items())
-                     if t is not None and t in original}
-            if not owned:
+            if not _cast_tensors_of(module, original):
                 continue
-            save = _SaveFP32Values(self._link, {name: original[t] for name, t in owned.items()})
-            hooks.append(module.register_state_dict_post_hook(save))
-            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, list(owned))))
-        # after the model's own value hook (hooks run in the order registered; the root's last)
+            hooked.add(module)
+            hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link, original)))
+            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original)))
+
+        def later_modules(root: nn.Module) -> Iterator[tuple]:
+            for name, sub in root.named_modules():
+                if sub not in hooked:
+                    yield (name + "." if name else ""), sub
+
+        # after the modules' own hooks (hooks run in the order registered; the root's last)
+        hooks.append(model.register_state_dict_post_hook(_SaveFP32Values(self._link, original, later_modules)))
+        hooks.append(model.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original, later_modules)))
         hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
         hooks.append(model.register_forward_pre_hook(_BeforeForward(self._link)))
         return hooks

@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 import subprocess
@@ -5,9 +6,11 @@ import sys
 
 import pytest
 import torch
+from torch import nn
+from torch.nn.utils import prune
 
 import ampinit as amp
-from conftest import LEVELS, SmallNet, make_setup, train_step
+from conftest import LEVELS, SmallNet, amp_backward, initialize_at, make_setup, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,3 +163,53 @@ def test_a_static_scale_does_not_replace_a_dynamic_one(saved_level, saved_scale,
     assert scale == fresh_scale == 2.0 ** 16
     assert torch.equal(grad, fresh_grad) and bool((grad != 0).all())
     assert "was static" in caplog.text
+
+
+def _renamed_after_initialize(level, rename):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = initialize_at(model, opt, level)
+    if rename.startswith("prune"):  # weight -> weight_orig (+ weight_mask), same module
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+    else:  # weight -> parametrizations.weight.original, in a module made now
+        torch.nn.utils.parametrizations.spectral_norm(model[2])
+    return model, opt
+
+
+def _renamed_steps(model, opt, level, steps, start):
+    for step in range(start, start + steps):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).float().pow(2).mean()
+        opt.zero_grad()
+        amp_backward(loss, opt, level)
+        opt.step()
+
+
+@pytest.mark.parametrize("rename", ["prune", "prune_remove", "spectral_norm"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_tensor_renamed_after_initialize_keeps_its_fp32_value_in_checkpoints(level, rename):
+    """Pruning (weight -> weight_orig) or a parametrization (-> parametrizations.weight.original)
+    applied after initialize: the checkpoint still holds the master, and resume is bit for bit
+    (it held the 16-bit weight, 1.6e-3 off after 20 steps)."""
+    model, opt = _renamed_after_initialize(level, rename)
+    _renamed_steps(model, opt, level, 3, 0)
+    if rename == "prune_remove":
+        prune.remove(model[0], "weight")
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+    key, index = {"prune": ("0.weight_orig", 0), "prune_remove": ("0.weight", 0),
+                  "spectral_norm": ("2.parametrizations.weight.original", 2)}[rename]
+    master = opt.param_groups[0]["params"][index].detach()  # the FP32 master of that parameter
+    if rename == "prune_remove":  # written since the step: reported as the model holds it, zeros and all
+        master = torch.where(model[0].weight == 0, 0.0, master)
+    assert checkpoint["model"][key].dtype == torch.float32 and torch.equal(checkpoint["model"][key], master)
+    _renamed_steps(model, opt, level, 4, 3)
+    resumed, resumed_opt = _renamed_after_initialize(level, rename)
+    if rename == "prune_remove":
+        prune.remove(resumed[0], "weight")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    amp.load_state_dict(checkpoint["amp"])
+    _renamed_steps(resumed, resumed_opt, level, 4, 3)
+    for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
