@@ -65,6 +65,25 @@ def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype
             if t is not None and t in original]
 
 
+class _ModulesMadeLater:
+    """``(key prefix, module)`` of a model's modules that got no hooks of their own at
+    ``initialize``.  A pickled or copied model has a dead link, so a copy keeps no module set."""
+
+    def __init__(self) -> None:
+        self.hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    def __call__(self, root: nn.Module) -> Iterator[tuple]:
+        for name, module in root.named_modules():
+            if module not in self.hooked:
+                yield (name + "." if name else ""), module
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.hooked = weakref.WeakSet()
+
+
 class _SaveFP32Values:
     """``model.state_dict()`` hook of one module: cast tensors report their FP32 values (the
     masters), in their original dtypes.  A copy of the model (dead link: an EMA made with
@@ -480,19 +499,13 @@ class AmpHandle:
         cast tensors gets its own hooks (a submodule's ``state_dict()`` reports too); the model's
         root serves the modules made later."""
         hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
-        hooked = weakref.WeakSet()
+        later_modules = _ModulesMadeLater()
         for module in model.modules():
             if not _cast_tensors_of(module, original):
                 continue
-            hooked.add(module)
+            later_modules.hooked.add(module)
             hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link, original)))
             hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original)))
-
-        def later_modules(root: nn.Module) -> Iterator[tuple]:
-            for name, sub in root.named_modules():
-                if sub not in hooked:
-                    yield (name + "." if name else ""), sub
-
         # after the modules' own hooks (hooks run in the order registered; the root's last)
         hooks.append(model.register_state_dict_post_hook(_SaveFP32Values(self._link, original, later_modules)))
         hooks.append(model.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original, later_modules)))
