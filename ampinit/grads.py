@@ -35,7 +35,9 @@ changes no version counter, so only zeroing is seen that way (by the token's nor
 With a fused optimizer (``ampinit.optim``) the first backward of a step only *checks* the
 model's scaled gradients and leaves them to the optimizer's kernel (``deferred``), which
 unscales them itself; anything that needs the masters' gradients (a second backward,
-:func:`ampinit.master_params`) unscales them first.
+:func:`ampinit.master_params`) unscales them first.  A fused or skipped step drops every
+gradient; ``zero_grad(set_to_none=False)`` gives the dropped ones back as zeros, which is what
+torch's would leave, so a parameter the next backward does not reach still steps on zero.
 
 Nothing here reads a device value on the host: whether a token changed in place was zeroed or
 written is decided on the device and read at ``step`` together with the overflow flag.
@@ -526,9 +528,10 @@ class GradientFlow:
 
     def drop_all_grads(self) -> None:
         """After a skipped or fused step: no gradient of it may reach the next one."""
-        self._dropped = [model for model, master in self.pairs()
-                         if model.grad is not None or master.grad is not None or master in self.deferred]
+        self._dropped = []  # what zero_grad(set_to_none=False) gives back as zeros
         for model, master in self.pairs():
+            if model.grad is not None or master.grad is not None or master in self.deferred:
+                self._dropped.append(model)
             model.grad = None
             self.keep_spare(master)
             master.grad = None
