@@ -109,6 +109,8 @@ class GradientFlow:
         self.in_scale_loss = False
         # model parameters whose gradients drop_all_grads dropped since zero_grad
         self._dropped: List[torch.Tensor] = []
+        # ... and those zero_grad(set_to_none=False) gave back as zeros, until a backward adds to them
+        self._restored_zeros: set = set()
         self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
@@ -376,6 +378,7 @@ class GradientFlow:
         inf/NaN in ``found_inf``; a stashed gradient this loss did not reach is put back."""
         write_in, write_out, write_models, add_in, add_out = [], [], [], [], []
         check_in, check_models, added = [], [], []
+        restored, self._restored_zeros = self._restored_zeros, set()
         for model, master in self.pairs():
             grad = model.grad
             if model is master:
@@ -395,7 +398,8 @@ class GradientFlow:
                     add_in.append(local(grad))
                     add_out.append(local(stashed))
                     model.grad = stashed
-                    self._note_bf16_sum(model)
+                    if model not in restored:  # adding to zeros loses nothing
+                        self._note_bf16_sum(model)
                 continue
             if self.masters is not None and not self.masters.settle_requires_grad(model, master):
                 # frozen (through the optimizer too: param_groups hold the masters): as in torch,
@@ -558,9 +562,12 @@ class GradientFlow:
             for model in self._dropped:
                 if model.grad is None:
                     model.grad = torch.zeros_like(model)
+                    self._restored_zeros.add(model)
                 master = masters.get(model)
                 if master is not None and master.grad is None:
                     master.grad = torch.zeros_like(master)
+        else:
+            self._restored_zeros = set()
         self._dropped = []
         for model, _ in self.distinct_pairs():
             if model.grad is None:

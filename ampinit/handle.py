@@ -619,7 +619,12 @@ class AmpHandle:
         if self.ended:
             return
         if self.masters is not None:
-            self.masters.sync()  # the model's writes since the last step (no_grad, .data, prune.remove) first
+            try:  # the model's writes since the last step (no_grad, .data, prune.remove) first
+                self.masters.sync()
+            except RuntimeError:
+                # the model was cast or moved after initialize (model.float()): its values are no
+                # longer what ampinit wrote, and end() is the way out of that, so the masters stand
+                logger.debug("ampinit: end() of a model cast or moved after initialize keeps the masters' values")
         self.ended = True
         for binding in self._bindings:
             _uninstall_masters(binding)

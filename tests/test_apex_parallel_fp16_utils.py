@@ -473,6 +473,21 @@ def test_fp16_optimizer_overflow_stays_set_after_the_skipped_step(fused):
             sched.step()
     assert seen == [(False, False), (False, False), (False, True), (True, False), (False, False)]
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4) and opt.loss_scale == 2 ** 9
+    # apex's state_dict carries the flag, and its load_state_dict restores it
+    saved_after_skip = None
+    opt.zero_grad()
+    opt.backward(model(x).float().pow(2).mean() * float("inf"))
+    opt.step()
+    saved_after_skip = copy.deepcopy(opt.state_dict())
+    assert saved_after_skip["overflow"] is True
+    opt.zero_grad()
+    opt.backward(model(x).float().pow(2).mean())
+    opt.step()
+    clean = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved_after_skip)
+    assert opt.overflow is True
+    opt.load_state_dict(clean)
+    assert opt.overflow is False
 
 
 def test_fp16_optimizer_bad_scale_factor():

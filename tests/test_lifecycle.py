@@ -150,3 +150,19 @@ def test_verbosity_levels(caplog):
         make_setup("O2", verbosity=2)
         assert [r.levelno for r in caplog.records] == [logging.INFO, logging.DEBUG]
         assert "FP32 masters" in caplog.records[1].getMessage()
+
+
+@pytest.mark.parametrize("cast", ["float", "half", "double"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_end_is_the_way_out_of_a_model_cast_after_initialize(level, cast):
+    """A model cast after initialize cannot train (step() says so), but end() must still work:
+    the masters stand, since the cast model's values are no longer what ampinit wrote."""
+    model, opt = make_setup(level, optimizer="sgd")
+    train_step(model, opt, 0)
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    had_master = [p.dtype != torch.float32 for p in model.parameters()]  # FP32 ones (batchnorm) are cast too
+    getattr(model, cast)()
+    amp.end(opt)
+    assert all(torch.equal(p, m) for p, m, kept in zip(model.parameters(), masters, had_master) if kept)
+    restored = [p.dtype for p, kept in zip(model.parameters(), had_master) if kept]
+    assert len(restored) >= 2 and set(restored) == {torch.float32}

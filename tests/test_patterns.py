@@ -582,3 +582,22 @@ def test_zero_grad_keeping_tensors_steps_an_unused_branch_like_fp32(level, make_
     tol = {"O0": 0, "O1": 2e-3, "O2": 2e-3, "O5": 2e-2}[level]
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+
+
+def test_zeros_given_back_by_zero_grad_raise_no_bf16_sum_warning(caplog):
+    """Remainder masters sum several losses in bf16 and say so once; the zeros that
+    zero_grad(set_to_none=False) gives back are not an earlier loss (adding to zero is exact)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(16, 8), "b": nn.Linear(16, 8)})
+    opt = amp.optim.FusedAdamW(model.parameters(), lr=1e-2)
+    model, opt = initialize_at(model, opt, "O5", remainders=True)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for _ in range(3):
+            x = torch.randn(3, 16).bfloat16()
+            opt.zero_grad(set_to_none=False)
+            amp_backward((model["a"](x) + model["b"](x)).float().pow(2).mean(), opt, "O5")
+            opt.step()
+    assert "several scale_loss" not in caplog.text
+    for _ in range(2):  # two losses before one step: that sum is in bf16, and is said
+        amp_backward(model["a"](torch.randn(3, 16).bfloat16()).float().pow(2).mean(), opt, "O5")
+    assert "several scale_loss" in caplog.text

@@ -355,6 +355,9 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
             for master, value in zip(mine, masters):
                 master.copy_(value)
         self._handle.masters.copy_to_model(mine)
+        # apex restores `overflow` too (a checkpoint taken right after a skipped step says so)
+        self._step_found_inf = torch.full((1,), float(bool(state_dict.get("overflow", False))),
+                                          device=self._binding.flow.found_inf.device)
 
     @staticmethod
     def _is_dynamic_apex_scaler(scaler: Any) -> bool:
