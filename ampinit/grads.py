@@ -37,7 +37,9 @@ model's scaled gradients and leaves them to the optimizer's kernel (``deferred``
 unscales them itself; anything that needs the masters' gradients (a second backward,
 :func:`ampinit.master_params`) unscales them first.  A fused or skipped step drops every
 gradient; ``zero_grad(set_to_none=False)`` gives the dropped ones back as zeros, which is what
-torch's would leave, so a parameter the next backward does not reach still steps on zero.
+torch's would leave, so a parameter the next backward does not reach still steps on zero (the
+model's at once; a master's at ``step``, only if no backward reached it, so that the fused path
+still takes the scaled gradients and allocates no FP32 buffer for them).
 
 Nothing here reads a device value on the host: whether a token changed in place was zeroed or
 written is decided on the device and read at ``step`` together with the overflow flag.
@@ -111,6 +113,9 @@ class GradientFlow:
         self._dropped: List[torch.Tensor] = []
         # ... and those zero_grad(set_to_none=False) gave back as zeros, until a backward adds to them
         self._restored_zeros: set = set()
+        # masters whose gradient zero_grad(set_to_none=False) owes as zeros: given at step() to
+        # those no backward reached (a zero buffer here would keep the fused path from deferring)
+        self._owed_zeros: set = set()
         self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
@@ -215,6 +220,7 @@ class GradientFlow:
                 self._suspect(model, master, grad)
             elif grad is None:  # cleared: p.grad = None, model.zero_grad()
                 self._clear_master_grad(master)
+                self._owed_zeros.discard(master)
                 self._tokens.pop(model, None)
             elif not grad.is_sparse and grad.shape == model.shape:
                 self._suspect(model, master, grad)  # replaced: p.grad = torch.zeros_like(p) zeroes it
@@ -529,6 +535,15 @@ class GradientFlow:
                 "(one whose body raised before its backward leaves them scaled).  Pass delay_unscale=False to "
                 "the last scale_loss before step(), or call optimizer.zero_grad() to drop the scaled gradients")
         self.reconcile(at_step=True)
+        self._give_owed_zeros()
+
+    def _give_owed_zeros(self) -> None:
+        """The zeros ``zero_grad(set_to_none=False)`` owes to masters no backward reached since:
+        torch's optimizer would step them on a zero gradient (weight decay, momentum)."""
+        for master in self._owed_zeros:
+            if master.grad is None and master not in self.deferred:
+                master.grad = self._new_grad(master).zero_()
+        self._owed_zeros = set()
 
     def drop_all_grads(self) -> None:
         """After a skipped or fused step: no gradient of it may reach the next one."""
@@ -558,6 +573,7 @@ class GradientFlow:
             # torch would zero the gradients the step left, and the optimizer would then step a
             # parameter no backward reaches with a zero gradient (weight decay, momentum); the
             # ones drop_all_grads dropped come back as zeros to keep that
+            # (a master's zeros are owed until step(), given only where no backward reached it)
             masters = {model: master for model, master in self.distinct_pairs()}
             for model in self._dropped:
                 if model.grad is None:
@@ -565,9 +581,10 @@ class GradientFlow:
                     self._restored_zeros.add(model)
                 master = masters.get(model)
                 if master is not None and master.grad is None:
-                    master.grad = torch.zeros_like(master)
+                    self._owed_zeros.add(master)
         else:
             self._restored_zeros = set()
+            self._owed_zeros = set()
         self._dropped = []
         for model, _ in self.distinct_pairs():
             if model.grad is None:

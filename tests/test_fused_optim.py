@@ -188,6 +188,26 @@ def test_o2_step_with_fused_optimizer_makes_no_host_read(monkeypatch):
     assert calls == ["tolist"]
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_o2_fused_step_takes_the_scaled_gradients_without_fp32_buffers(set_to_none):
+    """A fused O2 step unscales the model's gradients inside its kernel: between the backward and
+    the step no FP32 master gradient exists, whichever zero_grad the loop uses.  zero_grad(
+    set_to_none=False) after a fused step once gave every master a zero buffer, which took the
+    slower path (one more FP32 pass, 4 bytes per parameter): 25.0 against 17.7 ms a step."""
+    model, opt, _ = _train("O2", lambda p: FusedAdamW(p, lr=1e-3, weight_decay=0.1), 2)
+    model_params = {id(p) for p in model.parameters()}  # BatchNorm's stay FP32: no master of their own
+    masters = [p for group in opt.param_groups for p in group["params"] if id(p) not in model_params]
+    assert masters
+    x, y = batch(0)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=set_to_none)
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        assert [m.grad for m in masters] == [None] * len(masters)
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+
+
 def test_checkpoint_round_trip_with_fused_optimizer(tmp_path):
     model, opt, _ = _train("O2", lambda p: FusedAdam(p, lr=1e-2), 5, poison_at=(2,))
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()}, tmp_path / "c.pt")
