@@ -108,7 +108,6 @@ class GradientFlow:
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
         self.pending: Optional[_Pending] = None
-        self.in_scale_loss = False
         # model parameters whose gradients drop_all_grads dropped since zero_grad
         self._dropped: List[torch.Tensor] = []
         # ... and those zero_grad(set_to_none=False) gave back as zeros, until a backward adds to them
@@ -116,7 +115,7 @@ class GradientFlow:
         # masters whose gradient zero_grad(set_to_none=False) owes as zeros: given at step() to
         # those no backward reached (a zero buffer here would keep the fused path from deferring)
         self._owed_zeros: set = set()
-        self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running
+        self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running, if any
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
         # scale_loss for another optimizer of the same initialization (see note_foreign_grads)
@@ -139,6 +138,11 @@ class GradientFlow:
         # Per-tensor inf/NaN flags of this step's checks (fused optimizers only), with the model
         # params they belong to: the skip is decided on the device, its diagnostics read later.
         self.overflow_records: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
+
+    @property
+    def in_scale_loss(self) -> bool:
+        """Whether a ``scale_loss`` block for this optimizer is running."""
+        return self.active_scaler is not None
 
     # -- views ---------------------------------------------------------------------------------
     def pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:

@@ -73,7 +73,8 @@ class _ModulesMadeLater:
         self.hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
     def __call__(self, root: nn.Module) -> Iterator[tuple]:
-        for name, module in root.named_modules():
+        # every name of a module shared under several: each is a key of the state_dict
+        for name, module in root.named_modules(remove_duplicate=False):
             if module not in self.hooked:
                 yield (name + "." if name else ""), module
 
@@ -84,14 +85,11 @@ class _ModulesMadeLater:
         self.hooked = weakref.WeakSet()
 
 
-class _SaveFP32Values:
-    """``model.state_dict()`` hook of one module: cast tensors report their FP32 values (the
-    masters), in their original dtypes.  A copy of the model (dead link: an EMA made with
-    ``copy.deepcopy``) has no masters and reports its own tensors, as torch does, so in-place
-    updates through its state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it.
-
-    On the model itself (``later_modules``) it also serves the modules made after
-    ``initialize`` that hold cast tensors moved into them (a parametrization's ``original``)."""
+class _CastTensorHook:
+    """A ``state_dict``/``load_state_dict`` hook of one module that finds its cast tensors when
+    called (see :func:`_cast_tensors_of`).  With ``later_modules`` (on the model itself) it
+    serves the modules made after ``initialize`` instead, which hold cast tensors moved into
+    them (a parametrization's ``original``)."""
 
     def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype],
                  later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
@@ -99,21 +97,32 @@ class _SaveFP32Values:
         self.original = original
         self.later_modules = later_modules
 
+    def cast_tensors(self, module: nn.Module, prefix: str) -> Iterator[tuple]:
+        """``(state_dict key, tensor, original dtype)`` of the cast tensors this hook serves."""
+        owners = [(prefix, module)] if self.later_modules is None else \
+            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
+        for owner_prefix, owner in owners:
+            for name, tensor, dtype in _cast_tensors_of(owner, self.original):
+                yield owner_prefix + name, tensor, dtype
+
+
+class _SaveFP32Values(_CastTensorHook):
+    """``model.state_dict()`` hook: cast tensors report their FP32 values (the masters), in
+    their original dtypes.  A copy of the model (dead link: an EMA made with ``copy.deepcopy``)
+    has no masters and reports its own tensors, as torch does, so in-place updates through its
+    state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it."""
+
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         handle = self.link.handle
         if handle is None:
             return
-        modules = [(prefix, module)] if self.later_modules is None else \
-            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
-        for module_prefix, owner in modules:
-            for name, tensor, dtype in _cast_tensors_of(owner, self.original):
-                key = module_prefix + name
-                if key not in state_dict:
-                    continue
-                keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
-                value = handle.report_fp32_value(tensor, dtype, keep_vars)
-                # no master (O3): its value in the original dtype, a copy, as apex reported it
-                state_dict[key] = state_dict[key].to(dtype) if value is None else value
+        for key, tensor, dtype in self.cast_tensors(module, prefix):
+            if key not in state_dict:
+                continue
+            keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
+            value = handle.report_fp32_value(tensor, dtype, keep_vars)
+            # no master (O3): its value in the original dtype, a copy, as apex reported it
+            state_dict[key] = state_dict[key].to(dtype) if value is None else value
 
 
 class _ReportingWindow:
@@ -160,28 +169,18 @@ class _BeforeForward:
         handle.masters.before_forward()
 
 
-class _LoadFP32Values:
-    """``model.load_state_dict()`` hook of one module (or, with ``later_modules``, of the
-    modules made after ``initialize``): cast tensors load their FP32 values too, so a
+class _LoadFP32Values(_CastTensorHook):
+    """``model.load_state_dict()`` hook: cast tensors load their FP32 values too, so a
     checkpoint's full-precision values are not lost to the model's rounding."""
-
-    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype],
-                 later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
-        self.link = link
-        self.original = original
-        self.later_modules = later_modules
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         handle = self.link.handle
         if handle is None:
             return
-        modules = [(prefix, module)] if self.later_modules is None else \
-            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
-        for module_prefix, owner in modules:
-            for name, tensor, _ in _cast_tensors_of(owner, self.original):
-                value = state_dict.get(module_prefix + name)
-                if isinstance(value, torch.Tensor):
-                    handle.load_fp32_value(tensor, value)
+        for key, tensor, _ in self.cast_tensors(module, prefix):
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor):
+                handle.load_fp32_value(tensor, value)
 
 
 class AmpHandle:
@@ -394,7 +393,6 @@ class AmpHandle:
             self.masters.start()
         for flow in flows:
             flow.prepare_backward()
-            flow.in_scale_loss = True
             flow.active_scaler = scaler
         try:
             yield scaled
@@ -405,7 +403,6 @@ class AmpHandle:
             raise
         finally:
             for flow in flows:
-                flow.in_scale_loss = False
                 flow.active_scaler = None
             for flow, before in others:
                 flow.note_foreign_grads(before)

@@ -213,3 +213,17 @@ def test_a_tensor_renamed_after_initialize_keeps_its_fp32_value_in_checkpoints(l
     _renamed_steps(resumed, resumed_opt, level, 4, 3)
     for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_module_made_after_initialize_and_shared_under_two_names_saves_fp32_under_both(level):
+    """A parametrization added after initialize, on a layer the model holds under two names
+    (tied heads, an alias): torch's state_dict has a key under each name, and each must hold
+    the FP32 master (the second held the 16-bit weight)."""
+    model, opt = _renamed_after_initialize(level, "spectral_norm")
+    _renamed_steps(model, opt, level, 2, 0)
+    model.add_module("alias", model[2])  # after the steps: Sequential would run it twice
+    state = model.state_dict()
+    master = opt.param_groups[0]["params"][2].detach()
+    for key in ("2.parametrizations.weight.original", "alias.parametrizations.weight.original"):
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], master), key
