@@ -95,8 +95,8 @@ class OptimizerBinding:
         self.handle.check_not_ended()
         flow = self.flow
         self._check_not_inside_scale_loss()
-        flow.check_ready_for_step()
         flow.check_foreign_grads("optimizer.step()")
+        flow.check_ready_for_step()
         if flow.masters is not None:
             flow.masters.sync(flow.models())
         read_overflow = flow.unscaled_since_step and not flow.fused

@@ -120,6 +120,9 @@ class GradientFlow:
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
         # scale_loss for another optimizer of the same initialization (see note_foreign_grads)
         self._foreign: Dict[torch.Tensor, Tuple[weakref.ref, int]] = {}
+        # While another optimizer's scale_loss block runs: the gradients at its entry, to tell
+        # what its backward left here before the block ends (a step inside that block)
+        self.foreign_snapshot: Optional[Dict[torch.Tensor, Tuple[Optional[torch.Tensor], int]]] = None
         self._tokens: Dict[torch.Tensor, _Token] = {}
         # The tokens scale_loss took off the model on entry, until its backward starts: put
         # back if none does (an exception before the backward), so their history survives.
@@ -518,7 +521,10 @@ class GradientFlow:
 
     def check_foreign_grads(self, what: str) -> None:
         """Raise before ``what`` (this optimizer's scale_loss or step) uses a gradient that
-        another optimizer's ``scale_loss`` left scaled and nobody cleared since.  Changes nothing."""
+        another optimizer's ``scale_loss`` left scaled and nobody cleared since, its block still
+        running or not.  Changes nothing the user sees."""
+        if self.foreign_snapshot is not None:
+            self.note_foreign_grads(self.foreign_snapshot)
         live = [model for model, (ref, version) in self._foreign.items()
                 if model.grad is not None and model.grad is ref() and model.grad._version == version]
         if not live:

@@ -394,6 +394,8 @@ class AmpHandle:
         for flow in flows:
             flow.prepare_backward()
             flow.active_scaler = scaler
+        for flow, before in others:
+            flow.foreign_snapshot = before
         try:
             yield scaled
         except BaseException:
@@ -405,6 +407,7 @@ class AmpHandle:
             for flow in flows:
                 flow.active_scaler = None
             for flow, before in others:
+                flow.foreign_snapshot = None
                 flow.note_foreign_grads(before)
         self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
 

@@ -426,6 +426,33 @@ def test_a_generator_loss_reaching_the_discriminator(level, style):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if level == "O5" else 3e-3)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_d_step_inside_the_generator_scale_loss_block_is_refused(level):
+    """D's step inside G's ``scale_loss`` block, after G's backward: D's gradients hold G's loss
+    still multiplied by G's scale (O1 stepped D on them, 1024x too far; FP32 would step on the
+    sum of both losses' gradients).  Refused as after the block, before anything changes."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.SGD(G.parameters(), lr=0.1), torch.optim.SGD(D.parameters(), lr=0.1)
+    [G, D], [opt_g, opt_d] = amp.initialize([G, D], [opt_g, opt_d], opt_level=level, verbosity=0, loss_scale=1024.0)
+    z, real = torch.randn(8, 4), torch.randn(8, 4)
+    opt_d.zero_grad()
+    amp_backward(D(real).float().mean() - D(G(z).detach()).float().mean(), opt_d, level)
+    before = [p.detach().clone() for p in opt_d.param_groups[0]["params"]]
+    grads = [p.grad.clone() for p in opt_d.param_groups[0]["params"]]
+    with amp.scale_loss(-D(G(z)).float().mean(), opt_g) as scaled:
+        scaled.backward()
+        with pytest.raises(RuntimeError, match=r"gradients of models\[1\].weight, models\[1\].bias that the "
+                                               r"backward of a scale_loss for another optimizer"):
+            opt_d.step()
+    for b, p in zip(before, opt_d.param_groups[0]["params"]):
+        assert torch.equal(b, p)
+    opt_d.zero_grad()  # the way out the message gives: D's own gradients again, then its step
+    amp_backward(D(real).float().mean() - D(G(z).detach()).float().mean(), opt_d, level)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, opt_d.param_groups[0]["params"]))
+    opt_d.step()
+
+
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("overflow_in", ["first", "second"])
 def test_sam_recovers_from_a_skipped_step_like_fp32_sam(level, overflow_in):
