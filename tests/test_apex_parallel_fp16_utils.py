@@ -436,6 +436,7 @@ def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
     assert opt.loss_scale == defaults["init_scale"]
     x = torch.randn(8, 4).half()
     overflows, scales = [], []
+    apex_scaler = fp16_utils.DynamicLossScaler(**defaults)  # apex's host-side class, driven alike
     for step in range(steps):
         loss = model(x).float().pow(2).mean() * 1e-12
         opt.zero_grad()
@@ -443,6 +444,11 @@ def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
         overflows.append(opt.overflow)
         opt.step()
         scales.append(opt.loss_scale)
+        apex_scaler.update_scale(overflows[-1])
+        live = opt.loss_scaler  # apex code reads optimizer.loss_scaler.cur_scale
+        assert (live.cur_scale, live.loss_scale, live.cur_iter, live.last_overflow_iter) == \
+            (apex_scaler.cur_scale, apex_scaler.loss_scale, apex_scaler.cur_iter, apex_scaler.last_overflow_iter)
+        assert (live.scale_factor, live.scale_window) == (apex_scaler.scale_factor, apex_scaler.scale_window)
     assert overflows == [step in planted for step in range(steps)]
     expected = _apex_dynamic_scales(defaults["init_scale"], 0, -1, defaults["scale_factor"],
                                     defaults["scale_window"], overflows)
@@ -488,6 +494,20 @@ def test_fp16_optimizer_overflow_stays_set_after_the_skipped_step(fused):
     assert opt.overflow is True
     opt.load_state_dict(clean)
     assert opt.overflow is False
+
+
+def test_fp16_optimizer_loss_scaler_attribute_is_live_and_settable():
+    """apex code sets the scale through the scaler object (``optimizer.loss_scaler.cur_scale = s``)
+    and reads it back; driving it by hand (``update_scale``) would double the optimizer's own."""
+    model = nn.Linear(4, 1).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0,
+                                    verbose=False)
+    assert opt.loss_scaler.cur_scale == 128.0 and not opt.loss_scaler.dynamic
+    opt.loss_scaler.cur_scale = 64.0
+    assert opt.loss_scale == 64.0 and opt.loss_scaler.loss_scale == 64.0
+    with pytest.raises(RuntimeError, match="updates its loss scale in step"):
+        opt.loss_scaler.update_scale(False)
+    assert opt.loss_scale == 64.0
 
 
 def test_fp16_optimizer_bad_scale_factor():

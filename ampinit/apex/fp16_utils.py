@@ -133,6 +133,70 @@ def master_params_to_model_params(model_params: Sequence[torch.Tensor], master_p
             model.copy_(master)
 
 
+class _LiveLossScaler:
+    """``FP16_Optimizer.loss_scaler``: apex's scaler attributes (``cur_scale``, ``loss_scale``,
+    ``cur_iter``, ``last_overflow_iter``, ``scale_factor``, ``scale_window``), read from the
+    optimizer's own scaler, which keeps its scale on the device: reading a scale is a host sync.
+    Setting ``cur_scale`` (or ``scale_window``) sets that scaler's.  The scale is updated by
+    ``step()``, so ``has_overflow``/``update_scale`` by hand are refused."""
+
+    def __init__(self, optimizer: "FP16_Optimizer"):
+        self._optimizer = optimizer
+
+    @property
+    def _scaler(self) -> Any:
+        return self._optimizer._scaler
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def cur_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self._scaler.set_scale(value)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @property
+    def cur_iter(self) -> int:
+        """Steps taken or skipped, as apex's one ``update_scale`` per ``step()`` counted them."""
+        return self._optimizer._binding.steps
+
+    @property
+    def last_overflow_iter(self) -> int:
+        last = self._optimizer._binding.last_overflow_step
+        return -1 if last is None else last
+
+    @property
+    def scale_factor(self) -> float:
+        return self._scaler.growth_factor
+
+    @property
+    def scale_window(self) -> int:
+        return self._scaler.growth_interval
+
+    @scale_window.setter
+    def scale_window(self, value: int) -> None:
+        self._scaler.set_growth_interval(value)
+
+    def has_overflow(self, params: Any) -> bool:
+        raise RuntimeError("FP16_Optimizer checks for overflow itself: read optimizer.overflow after "
+                           "optimizer.backward(loss)")
+
+    def update_scale(self, overflow: bool) -> None:
+        raise RuntimeError("FP16_Optimizer updates its loss scale in step(); set optimizer.loss_scale "
+                           "(or optimizer.loss_scaler.cur_scale) to change it by hand")
+
+    def __repr__(self) -> str:
+        return f"FP16_Optimizer.loss_scaler({'dynamic' if self.dynamic else 'static'}, cur_scale={self.cur_scale})"
+
+
 class FP16_Optimizer:  # noqa: N801 (apex's name)
     """apex's ``FP16_Optimizer`` on ampinit: ``init_optimizer`` over a model you cast yourself
     (``model.half()``, ``network_to_half``) trains FP32 master copies of its fp16/bf16 parameters.
@@ -249,6 +313,11 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         if flow.unscaled_since_step:
             return bool(flow.found_inf.item())
         return self._step_found_inf is not None and bool(self._step_found_inf.item())
+
+    @property
+    def loss_scaler(self) -> _LiveLossScaler:
+        """apex's ``loss_scaler`` attribute (``optimizer.loss_scaler.cur_scale``), live."""
+        return _LiveLossScaler(self)
 
     @property
     def loss_scale(self) -> float:
