@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+from collections.abc import Mapping
 from typing import Any, Iterator, List, Optional, Set
 
 import torch
+
+logger = logging.getLogger("ampinit")
 
 
 def iter_tensors(value: Any, _open: Optional[Set[int]] = None) -> Iterator[torch.Tensor]:
@@ -41,23 +45,30 @@ def _attributes(value: Any) -> List[str]:
     return names + [name for name in extra if name not in names]
 
 
-def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = None) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = None, batch_objects: bool = False) -> Any:
     """``value`` with every floating-point tensor cast to ``dtype``; containers are rebuilt
     with their own type (namedtuples, dict subclasses and dataclasses included: a shallow copy
     whose set fields and other attributes are replaced, frozen ones too, ``__post_init__`` not
-    run again; a dataclass that contains itself is kept as it is), other objects kept."""
+    run again; a dataclass that contains itself is kept as it is), other objects kept.
+
+    With ``batch_objects`` (a model's inputs and outputs), another object with a ``to`` method
+    (a batch class: maskrcnn-benchmark's ``ImageList``) is cast by ``value.to(dtype)``, as apex
+    cast them; modules and mappings are not, and one whose ``to`` refuses a dtype is kept."""
+    def cast(item: Any) -> Any:
+        return cast_floating(item, dtype, _open, batch_objects)
+
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(cast_floating(v, dtype, _open) for v in value))
+        return type(value)(*(cast(v) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, _open) for v in value)
+        return type(value)(cast(v) for v in value)
     if type(value) is dict:  # a comprehension, which torch.compile traces without a graph break
-        return {key: cast_floating(item, dtype, _open) for key, item in value.items()}
+        return {key: cast(item) for key, item in value.items()}
     if isinstance(value, dict):  # OrderedDict, defaultdict, ...: keep the type and its extras
         out = copy.copy(value)
         for key, item in value.items():
-            out[key] = cast_floating(item, dtype, _open)
+            out[key] = cast(item)
         return out
     if _is_dataclass_instance(value):
         _open = set() if _open is None else _open
@@ -67,8 +78,15 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
         try:
             out = copy.copy(value)
             for name in _attributes(value):
-                object.__setattr__(out, name, cast_floating(getattr(value, name), dtype, _open))
+                object.__setattr__(out, name, cast(getattr(value, name)))
         finally:
             _open.discard(id(value))
         return out
+    if batch_objects:
+        to = getattr(value, "to", None)
+        if callable(to) and not isinstance(value, (torch.nn.Module, Mapping, type)):
+            try:
+                return to(dtype)
+            except (TypeError, ValueError, RuntimeError, AttributeError):  # a `to` for devices only
+                logger.debug("ampinit: %s.to(%s) failed; it is passed as it is", type(value).__name__, dtype)
     return value

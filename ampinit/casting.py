@@ -78,7 +78,7 @@ class _AutocastScope:
         does not carry them), but under the autocast state it saved: without this, a registered
         function ran in fp32 in the forward and in fp16 in the recompute."""
         frames = self._submodule_stack()
-        if self._stack() or any(frames):
+        if self._stack() or any(frames) or registry.casts_disabled():
             frames.append(None)
             return
         mode = registry.RegisteredCastMode(self.policies)
@@ -93,6 +93,9 @@ class _AutocastScope:
                 mode.__exit__(None, None, None)
 
     def enter(self) -> None:
+        if registry.casts_disabled():  # amp.disable_casts() around the call: an FP32 forward
+            self._stack().append([])
+            return
         contexts = [torch.autocast(self.device_type, dtype=self.dtype)]
         if self.policies:
             contexts.append(registry.RegisteredCastMode(self.policies))
@@ -122,7 +125,7 @@ class _CastInputs:
                 dtype = module.get_parameter(self.probe).dtype
             except AttributeError:  # the parameter is gone (a pruned copy): keep the cast dtype
                 pass
-        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        return cast_floating(args, dtype, batch_objects=True), cast_floating(kwargs, dtype, batch_objects=True)
 
 
 class _EnterAutocast:
@@ -158,7 +161,7 @@ class _LeaveForward:
         if self.scope is not None:
             self.scope.exit()
         if self.output_dtype is not None and output is not None:
-            return cast_floating(output, self.output_dtype)
+            return cast_floating(output, self.output_dtype, batch_objects=True)
         return None
 
 

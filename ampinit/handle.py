@@ -5,6 +5,10 @@ link that copies and pickles as a dead link, so a deep copy of the model does no
 optimizer along); module-level state holds at most a weak reference to the latest one, so any
 number of initializations coexist and a dropped model frees its handle.
 :meth:`AmpHandle.end` undoes an initialization.
+
+Under the ``apex`` alias ``apex.amp`` is ``ampinit``, so ``amp.handle`` is this module: it
+carries apex's module-level ``disable_casts`` (``with amp.handle.disable_casts():``, SwAV-style
+code) for that reason alone.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .casting import ModelCasting
 from .grads import BackwardWatch, GradientFlow
 from .masters import MasterWeights
 from .opt_levels import AmpConfig
+from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
 __all__ = ["AmpHandle", "handle_of_model"]

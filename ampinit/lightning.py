@@ -78,7 +78,7 @@ class AmpinitPrecision(Precision):
 
     def convert_input(self, data: Any) -> Any:
         """Cast the batch's floating-point tensors to the model's dtype at O2/O3/O5."""
-        return cast_floating(data, self.config.cast_model_type) if self.config.casts_model else data
+        return cast_floating(data, self.config.cast_model_type, batch_objects=True) if self.config.casts_model else data
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

@@ -101,6 +101,9 @@ class _AmpOptimizerMixin:
     def _lazy_init_maybe_master_weights(self) -> None:
         """apex made master weights lazily; ampinit made them in ``initialize``: nothing to do."""
 
+    def _amp_lazy_init(self) -> None:
+        """apex's call to finish that lazy setup early (Varuna, pipeline warm-ups): nothing to do."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and
         the overflow flag of the step they belonged to (an abandoned backward must not skip

@@ -18,7 +18,9 @@ The registry is process-wide by the nature of apex's API (register first, then
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import threading
 import types
 from typing import Any, Callable, Dict, Iterator, Optional
 
@@ -36,6 +38,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 # torch callables registered by the user -> cast policy.  Populated only through the
 # register_* functions below.
 _TORCH_POLICIES: Dict[Any, str] = {}
+# Per thread: how many disable_casts() blocks are open (apex's handle._is_active, per thread).
+_DISABLED = threading.local()
 
 
 def _target_dtype(policy: str, device_type: str, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
@@ -109,9 +113,38 @@ def _register(module: Any, name: str, policy: str) -> None:
         raise TypeError(f"{module!r}.{name} is not callable")
     if _is_torch_namespace(module):
         _TORCH_POLICIES[fn] = policy
+        if module is torch:
+            # torch.nn.functional's wrapper of ``torch.<name>`` (F.batch_norm -> torch.batch_norm,
+            # which nn.BatchNorm2d calls): apex patched the attribute, so the wrapper's call was cast
+            # too; the mode sees only the outermost call.  The user's own registration of it wins.
+            for caller in _functional_callers_of(name):
+                _TORCH_POLICIES.setdefault(caller, policy)
         return
     original = getattr(fn, "__wrapped__", fn) if hasattr(fn, "__ampinit_policy__") else fn
     setattr(module, name, _decorator(policy)(original))
+
+
+def _functional_callers_of(name: str) -> tuple:
+    """``torch.nn.functional.<name>`` if it is a wrapper that calls ``torch.<name>`` (batch_norm,
+    layer_norm, group_norm, embedding, relu, ...).  Larger functions that call it among much
+    else (multi_head_attention_forward calls torch.bmm) are not: apex cast only that call."""
+    return tuple(f for f in _functional_callers().get(name, ()) if f.__name__ == name)
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_callers() -> Dict[str, tuple]:
+    """``name`` -> the ``torch.nn.functional`` functions whose bytecode loads the global
+    ``torch`` and then its attribute ``name``.  Built once, at the first registration on ``torch``."""
+    callers: Dict[str, list] = {}
+    for function in vars(torch.nn.functional).values():
+        if not isinstance(function, types.FunctionType) or function.__module__ != "torch.nn.functional":
+            continue
+        instructions = list(dis.get_instructions(function))
+        for first, second in zip(instructions, instructions[1:]):
+            if first.opname == "LOAD_GLOBAL" and first.argval == "torch" and \
+                    second.opname in ("LOAD_ATTR", "LOAD_METHOD") and function not in callers.get(second.argval, ()):
+                callers.setdefault(second.argval, []).append(function)
+    return {attribute: tuple(functions) for attribute, functions in callers.items()}
 
 
 def register_half_function(module: Any, name: str) -> None:
@@ -154,16 +187,27 @@ def torch_policies() -> Dict[Any, str]:
     return dict(_TORCH_POLICIES)
 
 
+def casts_disabled() -> bool:
+    """Whether this thread is inside :func:`disable_casts` (an O1/O4 forward then enters no autocast)."""
+    return getattr(_DISABLED, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
-    """Inside this block autocast is off on every device where it was on, so ops run in the
-    dtypes of their inputs (apex's ``amp.disable_casts()``)."""
-    with contextlib.ExitStack() as stack:
-        for device_type in _AUTOCAST_DEVICES:
-            try:
-                enabled = torch.is_autocast_enabled(device_type)
-            except RuntimeError:  # a device type this build does not know
-                continue
-            if enabled:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+    """Inside this block ops run in the dtypes of their inputs, as in FP32 code (apex's
+    ``amp.disable_casts()``): autocast is off on every device where it was on, and an O1/O4
+    model called in the block does not turn it on for its forward.  Inputs of an O2/O3/O5
+    model are still cast to its dtype, as in apex."""
+    _DISABLED.depth = getattr(_DISABLED, "depth", 0) + 1
+    try:
+        with contextlib.ExitStack() as stack:
+            for device_type in _AUTOCAST_DEVICES:
+                try:
+                    enabled = torch.is_autocast_enabled(device_type)
+                except RuntimeError:  # a device type this build does not know
+                    continue
+                if enabled:
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+    finally:
+        _DISABLED.depth -= 1

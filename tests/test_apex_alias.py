@@ -108,6 +108,30 @@ def test_apex_submodules_are_ampinits_objects_and_load_no_second_copies(alias):
     assert not [name for name in sys.modules if name.startswith("apex")]
 
 
+def test_apex_amp_handle_reached_as_an_attribute_has_disable_casts(alias):
+    """``amp.handle.disable_casts()`` (SwAV/UOTA heads) and ``import apex.amp.handle as h`` go
+    through the attribute, which is ampinit's own handle module: it raised AttributeError."""
+    import apex.amp.handle as handle_module
+    from apex import amp
+    assert amp.handle.disable_casts is ampinit.disable_casts and handle_module.disable_casts is ampinit.disable_casts
+    model = amp.initialize(nn.Linear(4, 4), opt_level="O1", verbosity=0)
+    with amp.handle.disable_casts():
+        assert model(torch.randn(2, 4)).dtype == torch.float32
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+
+
+def test_optimizer_amp_lazy_init_is_there_and_changes_nothing(alias):
+    """Varuna's BERT and pipeline warm-ups call ``optimizer._amp_lazy_init()`` after initialize,
+    then read ``_amp_stash``; apex put the method on every optimizer it processed."""
+    from apex import amp
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model, optimizer = amp.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O2", verbosity=0)
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer._amp_lazy_init()
+    assert [p for group in optimizer.param_groups for p in group["params"]] == masters
+    assert len(optimizer._amp_stash.all_fp16_params) == len(optimizer._amp_stash.all_fp32_from_fp16_params) == 4
+
+
 def test_apex_amp_internals_raise_clear_errors(alias):
     from apex.amp._initialize import _initialize
     from apex.amp.scaler import LossScaler

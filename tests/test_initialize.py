@@ -273,6 +273,53 @@ def test_inputs_and_outputs_cast_through_nested_structures(level, out_dtype):
     assert out["extra"] == "tag"
 
 
+class ImageList:
+    """maskrcnn-benchmark's batch class: a tensor and metadata, cast by its own ``to``."""
+
+    def __init__(self, tensors, sizes):
+        self.tensors, self.sizes = tensors, sizes
+
+    def to(self, *args, **kwargs):
+        return ImageList(self.tensors.to(*args, **kwargs), self.sizes)
+
+
+class DeviceOnlyBatch:
+    """A batch class whose ``to`` takes devices only (torch_geometric's ``Data.to(device)``)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def to(self, device):
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"to() takes a device, got {device!r}")
+        return DeviceOnlyBatch(self.x.to(device))
+
+
+class Detector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images, graph=None):
+        out = ImageList(self.conv(images.tensors), images.sizes)  # returned as a batch class too
+        return out, (None if graph is None else graph.x.to(self.conv.weight.dtype).sum())
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_batch_classes_with_a_to_method_are_cast_as_apex_cast_them(level):
+    """apex cast inputs and outputs that have a ``to`` method ("custom batch classes"); ampinit
+    passed them untouched, and torch raised a dtype mismatch.  Reference: the same model on the
+    tensor inside, cast.  A ``to`` that takes no dtype leaves its object as it is."""
+    torch.manual_seed(0)
+    model = amp.initialize(Detector(), opt_level=level, verbosity=0)
+    x = torch.randn(2, 3, 8, 8)
+    out, total = model(ImageList(x, [(8, 8)] * 2), graph=DeviceOnlyBatch(torch.ones(3)))
+    assert isinstance(out, ImageList) and out.sizes == [(8, 8)] * 2 and float(total) == 3.0
+    want = model.conv(x.to(model.conv.weight.dtype))
+    assert out.tensors.dtype == torch.float32  # outputs are cast to FP32, the batch class too
+    assert torch.equal(out.tensors, want.float())
+
+
 def test_cast_model_outputs_override():
     model = amp.initialize(nn.Linear(4, 4), opt_level="O2", cast_model_outputs=torch.float16, verbosity=0)
     assert model(torch.randn(2, 4)).dtype == torch.float16

@@ -146,3 +146,65 @@ def test_registered_torch_functions_keep_their_casts_in_a_checkpoint_recompute(p
     assert seen == ref_seen == {want}  # the forward and the recompute alike
     for got, ref in zip(params, ref_params):
         assert torch.equal(got, ref)
+
+
+class _ConvBnHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.norm, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LayerNorm(64), \
+            nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(torch.relu(self.bn(self.conv(x))).flatten(2)).flatten(1)[:, :64])
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_disable_casts_around_an_o1_model_computes_as_fp32(level):
+    """``with amp.disable_casts(): model(x)`` is apex's FP32 evaluation (the fast adversarial
+    training paper's PGD attack): the model's forward turned autocast back on, so the attack
+    saw fp16 input gradients (half of them exactly 0, signs 49% off) and x*1e5 gave inf logits.
+    Reference: the FP32 model before initialize, bit for bit, input gradients too."""
+    torch.manual_seed(0)
+    reference = _ConvBnHead().eval()
+    model = amp.initialize(_ConvBnHead().eval(), opt_level=level, verbosity=0)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 3, 8, 8) * 1e4
+    grads = []
+    for net, context in ((reference, amp.disable_casts), (model, amp.disable_casts)):
+        delta = torch.zeros_like(x, requires_grad=True)
+        with context():
+            out = net(x + delta)
+            out.square().sum().backward()
+        grads.append((out, delta.grad))
+    (want, want_grad), (got, got_grad) = grads
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert model(x).dtype == torch.float32 and not torch.equal(model(x), want)  # outside: casts again
+    with torch.autocast("cpu", dtype=torch.bfloat16), amp.disable_casts():  # inside another autocast
+        assert torch.equal(model(x), want)
+
+
+def test_a_registered_torch_function_covers_its_functional_wrapper(monkeypatch):
+    """``register_float_function(torch, 'batch_norm')`` (GradAlign's double backprop): apex patched
+    ``torch.batch_norm``, which ``F.batch_norm`` (so ``nn.BatchNorm2d``) calls; ampinit's mode saw only
+    ``F.batch_norm`` and left it in fp16.  Reference: the wrapper on the fp16 input cast to fp32."""
+    from ampinit import registry
+    monkeypatch.setattr(registry, "_TORCH_POLICIES", {})  # registrations are process-wide
+    amp.register_float_function(torch, "batch_norm")
+    amp.register_float_function(torch, "layer_norm")
+    amp.register_half_function(torch, "bmm")  # F.multi_head_attention_forward calls it among much else
+    assert torch.nn.functional.multi_head_attention_forward not in registry._TORCH_POLICIES
+    torch.manual_seed(0)
+    model = amp.initialize(_ConvBnHead().eval(), opt_level="O1", verbosity=0)
+    seen = {}
+    for name in ("conv", "bn", "norm"):
+        getattr(model, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o)))
+    model(torch.randn(2, 3, 8, 8))
+    bn_in, bn_out = seen["bn"]
+    norm_in, norm_out = seen["norm"]
+    assert bn_in.dtype == torch.float16 and bn_out.dtype == torch.float32 and norm_out.dtype == torch.float32
+    bn, norm = model.bn, model.norm
+    torch.testing.assert_close(bn_out, torch.nn.functional.batch_norm(
+        bn_in.float(), bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.1, bn.eps), rtol=0, atol=0)
+    torch.testing.assert_close(norm_out, torch.nn.functional.layer_norm(
+        norm_in.float(), (64,), norm.weight, norm.bias, norm.eps), rtol=0, atol=0)
