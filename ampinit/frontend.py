@@ -141,6 +141,11 @@ def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch
                 "its step was replaced on the instance before initialize (an LR scheduler does that): that step "
                 "would bypass ampinit's, and the model would not train.  Create the LR scheduler after "
                 f"ampinit.initialize, or call super().__init__ in {type(opt).__name__}.__init__")
+        if isinstance(amp_optimizer.inner_optimizer(opt), torch.optim.LBFGS):
+            raise TypeError(
+                "LBFGS re-evaluates the loss inside step(closure), which ampinit does not support (the loss "
+                "scale, the overflow skip and the FP32 masters all sit between backward() and step()).  Train "
+                "it in FP32, or under torch.autocast(device_type, dtype=torch.bfloat16) without ampinit")
         delegate = amp_optimizer.delegating_optimizer(opt)
         if delegate is not None and config.master_weights:
             raise ValueError(

@@ -178,14 +178,32 @@ class _LoadFP32Values(_CastTensorHook):
     """``model.load_state_dict()`` hook: cast tensors load their FP32 values too, so a
     checkpoint's full-precision values are not lost to the model's rounding."""
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
         handle = self.link.handle
         if handle is None:
             return
+        if local_metadata.get("assign_to_params_buffers"):
+            self._refuse_assign(module, state_dict, prefix)
         for key, tensor, _ in self.cast_tensors(module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
                 handle.load_fp32_value(tensor, value)
+
+    def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """``load_state_dict(..., assign=True)`` would put the checkpoint's tensors in place of
+        cast ones: FP32 tensors in a 16-bit model, which no master drives.  Checked for the whole
+        subtree at its first hook, before torch assigns anything there."""
+        keys = [prefix + sub_prefix + (sub_prefix and ".") + name
+                for sub_prefix, sub in module.named_modules(remove_duplicate=False)
+                for name, _, _ in _cast_tensors_of(sub, self.original)]
+        assigned = [key for key in keys if key in state_dict]
+        if assigned:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace {', '.join(assigned[:3])}"
+                f"{', ...' if len(assigned) > 3 else ''}, which ampinit cast (and whose FP32 masters the optimizer "
+                "updates), by the checkpoint's tensors: the model would run in their dtype and stop training.  "
+                "Load without assign=True: ampinit writes the values into the model and its FP32 masters.  "
+                "(To load with assign=True, do it before ampinit.initialize.)  Nothing was loaded")
 
 
 class AmpHandle:
@@ -473,6 +491,13 @@ class AmpHandle:
             if param.device != self.device:
                 raise ValueError(f"parameter on {param.device}, but this initialization runs on "
                                  f"{self.device}: move it there first")
+        made_since = [p for p in params if p.dtype == torch.float32 and p not in self._param_names]
+        if self.config.casts_model and made_since:
+            logger.warning(
+                "ampinit: add_param_group got %d float32 parameters that the model did not hold at initialize, which "
+                "cast it to %s: a module added since runs in float32, and its forward fails with a dtype mismatch.  "
+                "Cast such a module first (module.to(%s)); add_param_group then gives its parameters FP32 masters",
+                len(made_since), self.config.cast_model_type, self.config.cast_model_type)
         use_masters = self.masters is not None
         new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
         if new:

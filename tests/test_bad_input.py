@@ -194,3 +194,87 @@ def test_a_lazy_module_trains_at_o1():
         scaled.backward()
     opt.step()
     assert model[0].weight.shape == (2, 4)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O5"])
+def test_lbfgs_is_refused_at_initialize_untouched(opt_level):
+    """LBFGS's step always re-evaluates the loss through a closure, which ampinit refuses: it was
+    accepted (the model cast to fp16) and then every step raised.  Now refused before any change."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    with pytest.raises(TypeError, match="LBFGS re-evaluates the loss inside step"):
+        amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    assert model[0].weight.dtype == torch.float32 and not model._forward_pre_hooks and type(opt) is torch.optim.LBFGS
+
+
+def _head_checkpoint():
+    return {"2.weight": torch.randn(1, 8, generator=torch.Generator().manual_seed(3)), "2.bias": torch.zeros(1)}
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3", "O5"])
+def test_load_state_dict_with_assign_is_refused_untouched_where_tensors_are_cast(opt_level):
+    """``model.load_state_dict(head, strict=False, assign=True)`` after initialize put FP32 tensors
+    into the 16-bit model, with no master: the forward died in a dtype mismatch (partial dict), or
+    the whole model ran in FP32 and never trained again (full dict).  Refused before anything is
+    assigned; the same load without assign=True loads the FP32 values, as torch would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    for checkpoint in (_head_checkpoint(), {k: v.float() for k, v in model.state_dict().items()}):
+        with pytest.raises(RuntimeError, match=r"assign=True\) would replace .*2.weight.*Nothing was loaded"):
+            model.load_state_dict(checkpoint, strict=False, assign=True)
+        for name, p in model.named_parameters():
+            assert p is before[name][0] and torch.equal(p, before[name][1]), name
+    model.load_state_dict(_head_checkpoint(), strict=False)
+    assert model.state_dict()["2.weight"].dtype == torch.float32
+    assert torch.equal(model.state_dict()["2.weight"], _head_checkpoint()["2.weight"]) or opt_level == "O3"
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_load_state_dict_with_assign_works_where_nothing_is_cast(opt_level):
+    """Nothing cast, nothing to protect: assign=True does what it does in torch."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level, verbosity=0)
+    checkpoint = _head_checkpoint()
+    model.load_state_dict(checkpoint, strict=False, assign=True)
+    assert model[2].weight is not None and torch.equal(model[2].weight, checkpoint["2.weight"])
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_an_fp32_module_added_after_initialize_is_named_and_the_cast_recipe_trains(opt_level, caplog):
+    """A layer appended after initialize and given to add_param_group stays FP32 in a 16-bit
+    model; the forward then fails with torch's bare dtype error.  add_param_group says so and
+    how; cast first, the layer gets FP32 masters and trains like FP32 (reference: plain torch)."""
+    def run(level, cast_first):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if level is not None:
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=128.0)
+        model.append(nn.Linear(1, 1))
+        if level is not None and cast_first:
+            model[3].to(model[0].weight.dtype)
+        opt.add_param_group({"params": model[3].parameters()})
+        for step in range(6):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            if level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+        return [p.detach().float() for p in model.parameters()]
+
+    with caplog.at_level("WARNING", logger="ampinit"), pytest.raises(RuntimeError, match="dtype"):
+        run(opt_level, cast_first=False)
+    assert "add_param_group got 2 float32 parameters" in caplog.text and "module.to(" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ampinit"):
+        got = run(opt_level, cast_first=True)
+    assert "add_param_group" not in caplog.text
+    for g, r in zip(got, run(None, cast_first=True)):
+        torch.testing.assert_close(g, r, rtol=0, atol=2e-2 if opt_level == "O5" else 3e-3)
