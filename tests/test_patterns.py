@@ -570,9 +570,11 @@ def test_a_step_inside_scale_loss_trains_like_fp32_without_scale_or_masters(leve
                                rtol=0 if level == "O0" else 2e-2, atol=0 if level == "O0" else 2e-3)
 
 
-def _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow):
+def _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow, model_zero_grad=False):
     """A branch that only some steps use (MoE experts, auxiliary heads), and
-    zero_grad(set_to_none=False): the branch's parameters still step on a zero gradient there."""
+    zero_grad(set_to_none=False): the branch's parameters still step on a zero gradient there.
+    With ``model_zero_grad``, ``model.zero_grad()`` (set_to_none=True) follows before the
+    backward: then torch leaves the unused branch no gradient, and it does not step."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
     opt = make_opt(model.parameters())
@@ -581,6 +583,8 @@ def _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow):
     for step in range(8):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).to(model["a"].weight.dtype)
         opt.zero_grad(set_to_none=False)
+        if model_zero_grad:
+            model.zero_grad()
         out = model["a"](x) + (model["b"](x) if step % 3 == 0 else 0)
         loss = out.float().pow(2).mean() * (float("inf") if step == planted_overflow else 1.0)
         if level is None:
@@ -611,24 +615,6 @@ def test_zero_grad_keeping_tensors_steps_an_unused_branch_like_fp32(level, make_
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
 
 
-def _zero_grad_keeping_tensors_then_model_zero_grad(level, make_opt):
-    """zero_grad(set_to_none=False), then model.zero_grad() (set_to_none=True) before the backward:
-    torch leaves no gradient on the branch the backward does not reach, so it does not step."""
-    torch.manual_seed(0)
-    model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
-    opt = make_opt(model.parameters())
-    if level is not None:
-        model, opt = initialize_at(model, opt, level)
-    for step in range(6):
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).to(model["a"].weight.dtype)
-        opt.zero_grad(set_to_none=False)
-        model.zero_grad()
-        out = model["a"](x) + (model["b"](x) if step < 2 else 0)
-        amp_backward(out.float().pow(2).mean(), opt, level)
-        opt.step()
-    return [p.detach().float() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("make_opt", [
     lambda p: amp.optim.FusedAdamW(p, lr=1e-2, weight_decay=0.1),
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
@@ -637,8 +623,8 @@ def _zero_grad_keeping_tensors_then_model_zero_grad(level, make_opt):
 def test_model_zero_grad_after_zero_grad_keeping_tensors_clears_the_zeros_owed(level, make_opt):
     """The zeros zero_grad(set_to_none=False) gives back are cleared by a later model.zero_grad():
     the unused branch then stops stepping, as in torch (weight decay and Adam's moments)."""
-    ref = _zero_grad_keeping_tensors_then_model_zero_grad(None, make_opt)
-    got = _zero_grad_keeping_tensors_then_model_zero_grad(level, make_opt)
+    ref = _unused_branch_with_zeroed_grads(None, make_opt, None, model_zero_grad=True)
+    got = _unused_branch_with_zeroed_grads(level, make_opt, None, model_zero_grad=True)
     tol = {"O0": 0, "O1": 2e-3, "O2": 2e-3, "O5": 2e-2}[level]
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
