@@ -237,6 +237,10 @@ class GradientFlow:
             raise RuntimeError(self._stray_message(stray, at_step))
         if unchanged:
             self._carry_data_zeroing(unchanged, first=self._first_since_step)
+        if not at_step:  # at step, after the owed zeros (see check_ready_for_step)
+            self._forget_overflow_without_gradients()
+
+    def _forget_overflow_without_gradients(self) -> None:
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
@@ -487,7 +491,10 @@ class GradientFlow:
 
     # -- the fused optimizers' deferred gradients ----------------------------------------------
     def materialize_deferred(self) -> None:
-        """Unscale the deferred gradients into the masters' ``.grad`` (already checked)."""
+        """Unscale the deferred gradients into the masters' ``.grad`` (already checked), and
+        give the zeros owed to masters no backward reached: code that reads the masters'
+        gradients (``amp.master_params``) finds what torch would leave there."""
+        self._give_owed_zeros()
         if not self.deferred:
             return
         masters = list(self.deferred)
@@ -545,7 +552,10 @@ class GradientFlow:
                 "(one whose body raised before its backward leaves them scaled).  Pass delay_unscale=False to "
                 "the last scale_loss before step(), or call optimizer.zero_grad() to drop the scaled gradients")
         self.reconcile(at_step=True)
+        # zeros owed to masters no backward reached are gradients of this step: its overflow
+        # (found in another optimizer's parameters by the same scale_loss) skips them too
         self._give_owed_zeros()
+        self._forget_overflow_without_gradients()
 
     def _give_owed_zeros(self) -> None:
         """The zeros ``zero_grad(set_to_none=False)`` owes to masters no backward reached since:

@@ -630,6 +630,43 @@ def test_model_zero_grad_after_zero_grad_keeping_tensors_clears_the_zeros_owed(l
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("make_fused", [
+    lambda p: amp.optim.FusedAdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: amp.optim.FusedSGD(p, lr=1e-2, momentum=0.9, weight_decay=0.1),
+], ids=["FusedAdamW", "FusedSGD"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_an_overflow_skips_the_step_of_a_fused_optimizer_whose_branch_it_did_not_reach(level, make_fused):
+    """One scale_loss for two optimizers, zero_grad(set_to_none=False), and an inf that reaches only
+    the first's parameters: the second's branch (unused that step) holds zeros, gradients of the
+    overflowing step, so its step is skipped too (once, the zeros owed at step() forgot the overflow:
+    AdamW stepped, 5.6e-3).  Reference: FP32 with that step skipped; the masters' gradients read
+    through amp.master_params are zeros there, as torch leaves them (they were None)."""
+    def run(level):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 2), "c": nn.Linear(4, 2)})
+        opt_a, opt_c = torch.optim.SGD(model["a"].parameters(), lr=1e-2), make_fused(model["c"].parameters())
+        if level is not None:
+            model, (opt_a, opt_c) = initialize_at(model, [opt_a, opt_c], level)
+        for step in range(5):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).to(model["a"].weight.dtype)
+            opt_a.zero_grad(set_to_none=False)
+            opt_c.zero_grad(set_to_none=False)
+            out = model["a"](x) + (model["c"](x) if step % 2 == 0 else 0)
+            if step == 3 and level is None:
+                continue  # the overflowing step: skipped by both
+            loss = out.float().pow(2).mean() * (float("inf") if step == 3 else 1.0)
+            amp_backward(loss, [opt_a, opt_c], level)
+            if level is not None and step == 1:
+                grads = [p.grad for p in amp.master_params(opt_c)]
+                assert all(g is not None and not g.any() for g in grads)
+            opt_a.step()
+            opt_c.step()
+        return [p.detach().float() for p in model.parameters()]
+
+    for got, want in zip(run(level), run(None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if level == "O5" else 3e-3)
+
+
 def test_zeros_given_back_by_zero_grad_raise_no_bf16_sum_warning(caplog):
     """Remainder masters sum several losses in bf16 and say so once; the zeros that
     zero_grad(set_to_none=False) gives back are not an earlier loss (adding to zero is exact)."""
