@@ -51,9 +51,12 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
     whose set fields and other attributes are replaced, frozen ones too, ``__post_init__`` not
     run again; a dataclass that contains itself is kept as it is), other objects kept.
 
-    With ``batch_objects`` (a model's inputs and outputs), another object with a ``to`` method
-    (a batch class: maskrcnn-benchmark's ``ImageList``) is cast by ``value.to(dtype)``, as apex
-    cast them; modules and mappings are not, and one whose ``to`` refuses a dtype is kept."""
+    With ``batch_objects`` (the inputs of a cast model), another object with a ``to`` method (a
+    batch class: maskrcnn-benchmark's ``ImageList``) is cast by ``value.to(dtype)``, as apex cast
+    them, if every tensor among its attributes is floating point: a ``to`` maps over all of them,
+    and would turn integer ones (labels, a flex-attention ``BlockMask``'s indices) into floats.
+    Modules, mappings and torch's own classes are left alone, and so is an object whose ``to``
+    refuses a dtype; one whose ``to`` works in place (returns None) is returned, cast."""
     def cast(item: Any) -> Any:
         return cast_floating(item, dtype, _open, batch_objects)
 
@@ -82,11 +85,21 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
         finally:
             _open.discard(id(value))
         return out
-    if batch_objects:
-        to = getattr(value, "to", None)
-        if callable(to) and not isinstance(value, (torch.nn.Module, Mapping, type)):
-            try:
-                return to(dtype)
-            except (TypeError, ValueError, RuntimeError, AttributeError):  # a `to` for devices only
-                logger.debug("ampinit: %s.to(%s) failed; it is passed as it is", type(value).__name__, dtype)
+    if batch_objects and _is_floating_batch_object(value):
+        try:
+            cast_value = value.to(dtype)
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # a `to` for devices only
+            logger.debug("ampinit: %s.to(%s) failed; it is passed as it is", type(value).__name__, dtype)
+            return value
+        return value if cast_value is None else cast_value
     return value
+
+
+def _is_floating_batch_object(value: Any) -> bool:
+    """A user's batch class whose ``to(dtype)`` casts floating-point tensors only (see above)."""
+    if not callable(getattr(value, "to", None)) or isinstance(value, (torch.nn.Module, Mapping, type)):
+        return False
+    if type(value).__module__.split(".")[0] == "torch":
+        return False
+    tensors = list(iter_tensors(list(getattr(value, "__dict__", {}).values())))
+    return bool(tensors) and all(t.is_floating_point() for t in tensors)

@@ -161,7 +161,7 @@ class _LeaveForward:
         if self.scope is not None:
             self.scope.exit()
         if self.output_dtype is not None and output is not None:
-            return cast_floating(output, self.output_dtype, batch_objects=True)
+            return cast_floating(output, self.output_dtype)
         return None
 
 

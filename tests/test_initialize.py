@@ -295,29 +295,55 @@ class DeviceOnlyBatch:
         return DeviceOnlyBatch(self.x.to(device))
 
 
+class Targets:
+    """maskrcnn's BoxList: boxes and integer labels; its ``to`` maps over both."""
+
+    def __init__(self, boxes, labels):
+        self.boxes, self.labels = boxes, labels
+
+    def to(self, *args):
+        return Targets(self.boxes.to(*args), self.labels.to(*args))
+
+
+class InPlaceBatch:
+    """A ``to`` that casts in place and returns None."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def to(self, *args):
+        self.x = self.x.to(*args)
+
+
 class Detector(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
 
-    def forward(self, images, graph=None):
-        out = ImageList(self.conv(images.tensors), images.sizes)  # returned as a batch class too
-        return out, (None if graph is None else graph.x.to(self.conv.weight.dtype).sum())
+    def forward(self, images, targets, graph, extra):
+        assert targets.labels.dtype == torch.long and targets.boxes.dtype == torch.float32  # not cast
+        assert extra.x.dtype == self.conv.weight.dtype
+        out = ImageList(self.conv(images.tensors), images.sizes)
+        return out, graph.x.to(self.conv.weight.dtype).sum()
 
 
-@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
 def test_batch_classes_with_a_to_method_are_cast_as_apex_cast_them(level):
-    """apex cast inputs and outputs that have a ``to`` method ("custom batch classes"); ampinit
-    passed them untouched, and torch raised a dtype mismatch.  Reference: the same model on the
-    tensor inside, cast.  A ``to`` that takes no dtype leaves its object as it is."""
+    """apex cast a cast model's inputs that have a ``to`` method ("custom batch classes");
+    ampinit passed them untouched, and torch raised a dtype mismatch.  Reference: the same model on
+    the tensor inside, cast.  Left alone: a class whose ``to`` would turn integer tensors into
+    floats (targets with labels), one whose ``to`` takes no dtype, and outputs (O1 casts none)."""
     torch.manual_seed(0)
     model = amp.initialize(Detector(), opt_level=level, verbosity=0)
+    dtype = model.conv.weight.dtype
     x = torch.randn(2, 3, 8, 8)
-    out, total = model(ImageList(x, [(8, 8)] * 2), graph=DeviceOnlyBatch(torch.ones(3)))
+    targets = Targets(torch.rand(2, 4), torch.tensor([3, 70001]))
+    out, total = model(ImageList(x, [(8, 8)] * 2), targets, DeviceOnlyBatch(torch.ones(3)), InPlaceBatch(x))
     assert isinstance(out, ImageList) and out.sizes == [(8, 8)] * 2 and float(total) == 3.0
-    want = model.conv(x.to(model.conv.weight.dtype))
-    assert out.tensors.dtype == torch.float32  # outputs are cast to FP32, the batch class too
-    assert torch.equal(out.tensors, want.float())
+    assert out.tensors.dtype == (torch.float16 if level == "O1" else dtype)  # outputs are not batch-cast
+    with torch.autocast("cpu", dtype=torch.float16, enabled=level == "O1"):
+        want = model.conv(x.to(dtype))
+    assert torch.equal(out.tensors, want)
 
 
 def test_cast_model_outputs_override():
