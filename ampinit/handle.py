@@ -178,21 +178,29 @@ class _LoadFP32Values(_CastTensorHook):
     """``model.load_state_dict()`` hook: cast tensors load their FP32 values too, so a
     checkpoint's full-precision values are not lost to the model's rounding."""
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         handle = self.link.handle
         if handle is None:
             return
-        if local_metadata.get("assign_to_params_buffers"):
-            self._refuse_assign(module, state_dict, prefix)
         for key, tensor, _ in self.cast_tensors(module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
                 handle.load_fp32_value(tensor, value)
 
-    def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
-        """``load_state_dict(..., assign=True)`` would put the checkpoint's tensors in place of
-        cast ones: FP32 tensors in a 16-bit model, which no master drives.  Checked for the whole
-        subtree at its first hook, before torch assigns anything there."""
+
+class _RefuseAssign:
+    """``load_state_dict()`` pre-hook of every module of the model, run before its other hooks:
+    ``assign=True`` would put the checkpoint's tensors in place of cast ones (FP32 tensors in a
+    16-bit model, with no master behind them).  The module ``load_state_dict`` was called on
+    runs it first and checks its whole subtree, before torch assigns anything."""
+
+    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype]):
+        self.link = link
+        self.original = original
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
+        if self.link.handle is None or not local_metadata.get("assign_to_params_buffers"):
+            return
         keys = [prefix + sub_prefix + (sub_prefix and ".") + name
                 for sub_prefix, sub in module.named_modules(remove_duplicate=False)
                 for name, _, _ in _cast_tensors_of(sub, self.original)]
@@ -495,8 +503,9 @@ class AmpHandle:
         if self.config.casts_model and made_since:
             logger.warning(
                 "ampinit: add_param_group got %d float32 parameters that the model did not hold at initialize, which "
-                "cast it to %s: a module added since runs in float32, and its forward fails with a dtype mismatch.  "
-                "Cast such a module first (module.to(%s)); add_param_group then gives its parameters FP32 masters",
+                "cast it to %s.  If they belong to a module added to the model since, it runs in float32 and its "
+                "forward fails with a dtype mismatch: cast the module first (module.to(%s)), and add_param_group "
+                "gives its parameters FP32 masters.  (Parameters used outside the model can stay float32.)",
                 len(made_since), self.config.cast_model_type, self.config.cast_model_type)
         use_masters = self.masters is not None
         new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
@@ -531,6 +540,7 @@ class AmpHandle:
         hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
         later_modules = _ModulesMadeLater()
         for module in model.modules():
+            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link, original)))
             if not _cast_tensors_of(module, original):
                 continue
             later_modules.hooked.add(module)

@@ -38,6 +38,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 # torch callables registered by the user -> cast policy.  Populated only through the
 # register_* functions below.
 _TORCH_POLICIES: Dict[Any, str] = {}
+# The torch callables registered by name (not only as the wrapper of a registered one).
+_REGISTERED_DIRECTLY: set = set()
 # Per thread: how many disable_casts() blocks are open (apex's handle._is_active, per thread).
 _DISABLED = threading.local()
 
@@ -113,12 +115,14 @@ def _register(module: Any, name: str, policy: str) -> None:
         raise TypeError(f"{module!r}.{name} is not callable")
     if _is_torch_namespace(module):
         _TORCH_POLICIES[fn] = policy
+        _REGISTERED_DIRECTLY.add(fn)
         if module is torch:
             # torch.nn.functional's wrapper of ``torch.<name>`` (F.batch_norm -> torch.batch_norm,
             # which nn.BatchNorm2d calls): apex patched the attribute, so the wrapper's call was cast
-            # too; the mode sees only the outermost call.  The user's own registration of it wins.
+            # too; the mode sees only the outermost call.  A registration of the wrapper itself wins.
             for caller in _functional_callers_of(name):
-                _TORCH_POLICIES.setdefault(caller, policy)
+                if caller not in _REGISTERED_DIRECTLY:
+                    _TORCH_POLICIES[caller] = policy
         return
     original = getattr(fn, "__wrapped__", fn) if hasattr(fn, "__ampinit_policy__") else fn
     setattr(module, name, _decorator(policy)(original))

@@ -278,3 +278,17 @@ def test_an_fp32_module_added_after_initialize_is_named_and_the_cast_recipe_trai
     assert "add_param_group" not in caplog.text
     for g, r in zip(got, run(None, cast_first=True)):
         torch.testing.assert_close(g, r, rtol=0, atol=2e-2 if opt_level == "O5" else 3e-3)
+
+
+def test_load_state_dict_with_assign_on_a_container_is_refused_before_its_first_child_loads():
+    """A container with no tensors of its own had no hook: torch assigned its first child (a
+    BatchNorm kept FP32, which then left the optimizer) before the cast Linear's hook refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4)), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    checkpoint = {k: torch.full_like(v, 7.0) if v.is_floating_point() else v for k, v in model[0].state_dict().items()}
+    bn_weight = model[0][0].weight
+    with pytest.raises(RuntimeError, match=r"assign=True\) would replace 1.weight, 1.bias"):
+        model[0].load_state_dict(checkpoint, assign=True)
+    assert model[0][0].weight is bn_weight and torch.equal(bn_weight, torch.ones(4))

@@ -190,8 +190,13 @@ def test_a_registered_torch_function_covers_its_functional_wrapper(monkeypatch):
     ``F.batch_norm`` and left it in fp16.  Reference: the wrapper on the fp16 input cast to fp32."""
     from ampinit import registry
     monkeypatch.setattr(registry, "_TORCH_POLICIES", {})  # registrations are process-wide
+    monkeypatch.setattr(registry, "_REGISTERED_DIRECTLY", set())
+    amp.register_half_function(torch, "layer_norm")
     amp.register_float_function(torch, "batch_norm")
-    amp.register_float_function(torch, "layer_norm")
+    amp.register_float_function(torch, "layer_norm")  # registering again replaces the wrapper's policy too
+    amp.register_half_function(torch.nn.functional, "group_norm")
+    amp.register_float_function(torch, "group_norm")  # the wrapper's own registration wins
+    assert registry._TORCH_POLICIES[torch.nn.functional.group_norm] == "half"
     amp.register_half_function(torch, "bmm")  # F.multi_head_attention_forward calls it among much else
     assert torch.nn.functional.multi_head_attention_forward not in registry._TORCH_POLICIES
     torch.manual_seed(0)
