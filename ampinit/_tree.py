@@ -57,21 +57,18 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
     and would turn integer ones (labels, a flex-attention ``BlockMask``'s indices) into floats.
     Modules, mappings and torch's own classes are left alone, and so is an object whose ``to``
     refuses a dtype; one whose ``to`` works in place (returns None) is returned, cast."""
-    def cast(item: Any) -> Any:
-        return cast_floating(item, dtype, _open, batch_objects)
-
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(cast(v) for v in value))
+        return type(value)(*(cast_floating(v, dtype, _open, batch_objects) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast(v) for v in value)
+        return type(value)(cast_floating(v, dtype, _open, batch_objects) for v in value)
     if type(value) is dict:  # a comprehension, which torch.compile traces without a graph break
-        return {key: cast(item) for key, item in value.items()}
+        return {key: cast_floating(item, dtype, _open, batch_objects) for key, item in value.items()}
     if isinstance(value, dict):  # OrderedDict, defaultdict, ...: keep the type and its extras
         out = copy.copy(value)
         for key, item in value.items():
-            out[key] = cast(item)
+            out[key] = cast_floating(item, dtype, _open, batch_objects)
         return out
     if _is_dataclass_instance(value):
         _open = set() if _open is None else _open
@@ -81,7 +78,7 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
         try:
             out = copy.copy(value)
             for name in _attributes(value):
-                object.__setattr__(out, name, cast(getattr(value, name)))
+                object.__setattr__(out, name, cast_floating(getattr(value, name), dtype, _open, batch_objects))
         finally:
             _open.discard(id(value))
         return out

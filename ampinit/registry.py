@@ -120,35 +120,31 @@ def _register(module: Any, name: str, policy: str) -> None:
             # torch.nn.functional's wrapper of ``torch.<name>`` (F.batch_norm -> torch.batch_norm,
             # which nn.BatchNorm2d calls): apex patched the attribute, so the wrapper's call was cast
             # too; the mode sees only the outermost call.  A registration of the wrapper itself wins.
-            for caller in _functional_callers_of(name):
-                if caller not in _REGISTERED_DIRECTLY:
-                    _TORCH_POLICIES[caller] = policy
+            wrapper = _functional_wrappers().get(name)
+            if wrapper is not None and wrapper not in _REGISTERED_DIRECTLY:
+                _TORCH_POLICIES[wrapper] = policy
         return
     original = getattr(fn, "__wrapped__", fn) if hasattr(fn, "__ampinit_policy__") else fn
     setattr(module, name, _decorator(policy)(original))
 
 
-def _functional_callers_of(name: str) -> tuple:
-    """``torch.nn.functional.<name>`` if it is a wrapper that calls ``torch.<name>`` (batch_norm,
-    layer_norm, group_norm, embedding, relu, ...).  Larger functions that call it among much
-    else (multi_head_attention_forward calls torch.bmm) are not: apex cast only that call."""
-    return tuple(f for f in _functional_callers().get(name, ()) if f.__name__ == name)
-
-
 @functools.lru_cache(maxsize=None)
-def _functional_callers() -> Dict[str, tuple]:
-    """``name`` -> the ``torch.nn.functional`` functions whose bytecode loads the global
-    ``torch`` and then its attribute ``name``.  Built once, at the first registration on ``torch``."""
-    callers: Dict[str, list] = {}
+def _functional_wrappers() -> Dict[str, Callable]:
+    """``name`` -> ``torch.nn.functional.<name>``, where that function is a wrapper that calls
+    ``torch.<name>`` (its bytecode loads the global ``torch``, then the attribute ``name``):
+    batch_norm, layer_norm, group_norm, embedding, relu, ...  Larger functions that call a torch
+    function among much else (multi_head_attention_forward calls torch.bmm) are not wrappers:
+    apex cast only that call.  Built once, at the first registration on ``torch``."""
+    wrappers: Dict[str, Callable] = {}
     for function in vars(torch.nn.functional).values():
         if not isinstance(function, types.FunctionType) or function.__module__ != "torch.nn.functional":
             continue
         instructions = list(dis.get_instructions(function))
-        for first, second in zip(instructions, instructions[1:]):
-            if first.opname == "LOAD_GLOBAL" and first.argval == "torch" and \
-                    second.opname in ("LOAD_ATTR", "LOAD_METHOD") and function not in callers.get(second.argval, ()):
-                callers.setdefault(second.argval, []).append(function)
-    return {attribute: tuple(functions) for attribute, functions in callers.items()}
+        if any(first.opname == "LOAD_GLOBAL" and first.argval == "torch" and
+               second.opname in ("LOAD_ATTR", "LOAD_METHOD") and second.argval == function.__name__
+               for first, second in zip(instructions, instructions[1:])):
+            wrappers[function.__name__] = function
+    return wrappers
 
 
 def register_half_function(module: Any, name: str) -> None:
