@@ -49,7 +49,8 @@ def test_names_resolve_to_ampinit(alias):
     assert amp is ampinit and apex.amp is ampinit and _amp_state is ampinit._amp_state
     assert apex.amp._amp_state is ampinit._amp_state  # the instance, as in apex, also after the submodule import
     assert LARC2 is LARC and apex.parallel.LARC is LARC
-    assert apex.optimizers.FusedAdam is ampinit.optim.FusedAdam and "multi_tensor_scale" in dir(amp_C)
+    # apex.optimizers.FusedAdam is ampinit's, unless built with apex 0.1's arguments
+    assert issubclass(apex.optimizers.FusedAdam, ampinit.optim.FusedAdam) and "multi_tensor_scale" in dir(amp_C)
     assert "state_dict" in amp.__dict__ and "load_state_dict" in amp.__dict__  # timm's check
     assert amp.__path__  # DeepSpeed logs it
     assert to_python_float(torch.tensor([2.5])) == 2.5
@@ -70,6 +71,9 @@ APEX_SUBMODULE_IMPORTS = [
     "from apex.optimizers.fused_novograd import FusedNovoGrad",
     "from apex.optimizers.fused_adagrad import FusedAdagrad",
     "from apex.optimizers.fused_mixed_precision_lamb import FusedMixedPrecisionLamb",
+    "from apex.optimizers import FP16_Optimizer, FusedAdam",  # pytorch-pretrained-BERT's examples
+    "from apex.optimizers.fp16_optimizer import FP16_Optimizer",
+    "from apex.optimizers.fused_adam_v1 import FusedAdam_v1",
     "from apex.parallel.sync_batchnorm import SyncBatchNorm",
     "from apex.parallel import multiproc",
     "import apex.parallel.multiproc",
@@ -97,7 +101,7 @@ def test_apex_submodules_are_ampinits_objects_and_load_no_second_copies(alias):
     from apex.parallel.sync_batchnorm import SyncBatchNorm
 
     assert initialize is ampinit.initialize and scale_loss is ampinit.scale_loss
-    assert FusedAdam is ampinit.optim.FusedAdam
+    assert FusedAdam is ampinit.apex.optimizers.FusedAdam and issubclass(FusedAdam, ampinit.optim.FusedAdam)
     assert SyncBatchNorm is ampinit.apex.parallel.SyncBatchNorm
     assert DynamicLossScaler is ampinit.apex.fp16_utils.DynamicLossScaler
     for name, module in originals.items():

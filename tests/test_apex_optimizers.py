@@ -552,7 +552,8 @@ def test_float64_params_are_refused(name):
 
 
 def test_exports_and_mixed_precision_lamb():
-    assert apex_optimizers.FusedAdam is ampinit.optim.FusedAdam
+    assert issubclass(apex_optimizers.FusedAdam, ampinit.optim.FusedAdam)
+    assert type(apex_optimizers.FusedAdam([torch.zeros(2, requires_grad=True)])) is apex_optimizers.FusedAdam
     assert apex_optimizers.FusedSGD is ampinit.optim.FusedSGD
     for name in ("FusedLAMB", "FusedNovoGrad", "FusedAdagrad"):
         cls = getattr(apex_optimizers, name)

@@ -9,7 +9,8 @@ apex's names in ``sys.modules``:
 ``apex``                       this package
 ``apex.amp``                   ``ampinit`` itself; ``apex.amp._amp_state`` is ``ampinit._amp_state``
 ``apex.optimizers``            ``FusedAdam``, ``FusedSGD`` (ampinit.optim) and ``FusedLAMB``,
-                               ``FusedNovoGrad``, ``FusedAdagrad``
+                               ``FusedNovoGrad``, ``FusedAdagrad``; apex 0.1's ``FusedAdam``
+                               (``max_grad_norm=...``) and ``FP16_Optimizer``
 ``apex.parallel``              ``DistributedDataParallel`` (torch's, with apex's arguments),
                                ``SyncBatchNorm``, ``convert_syncbn_model``, ``LARC``, ``Reducer``
 ``apex.fp16_utils``            ``to_python_float``, ``FP16_Optimizer`` (on ampinit's O2), ...,
@@ -67,6 +68,8 @@ ALIASED: Dict[str, str] = {
     "apex.optimizers.fused_novograd": "ampinit.apex.optimizers",
     "apex.optimizers.fused_adagrad": "ampinit.apex.optimizers",
     "apex.optimizers.fused_mixed_precision_lamb": "ampinit.apex.optimizers",
+    "apex.optimizers.fused_adam_v1": "ampinit.apex.optimizers",
+    "apex.optimizers.fp16_optimizer": "ampinit.apex.optimizers",
     "apex.parallel": "ampinit.apex.parallel",
     "apex.parallel.distributed": "ampinit.apex.parallel",
     "apex.parallel.LARC": "ampinit.apex.parallel",

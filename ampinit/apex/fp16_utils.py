@@ -246,8 +246,11 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         # yet): apex's `overflow` keeps that answer until the next backward unscales new ones.
         self._step_found_inf: Optional[torch.Tensor] = None
 
-    @staticmethod
-    def _dynamic_scaling(dynamic_loss_args: Dict[str, Any]) -> Dict[str, Any]:
+    # apex's DynamicLossScaler starts at 2**32 (apex.optimizers.FP16_Optimizer at 2**16)
+    _DYNAMIC_INIT_SCALE = _APEX_INIT_SCALE
+
+    @classmethod
+    def _dynamic_scaling(cls, dynamic_loss_args: Dict[str, Any]) -> Dict[str, Any]:
         """ampinit's scaler options for apex's ``DynamicLossScaler(**dynamic_loss_args)``."""
         args = dict(dynamic_loss_args)
         unknown = set(args) - {"init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale"}
@@ -257,7 +260,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         factor = args.pop("scale_factor", 2.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
             raise ValueError(f"dynamic_loss_args: scale_factor must be a finite number >= 1; got {factor!r}")
-        return {"init_scale": args.pop("init_scale", _APEX_INIT_SCALE),
+        return {"init_scale": args.pop("init_scale", cls._DYNAMIC_INIT_SCALE),
                 "growth_interval": args.pop("scale_window", _APEX_SCALE_WINDOW),
                 "growth_factor": float(factor), "backoff_factor": 1.0 / float(factor),
                 "min_loss_scale": args.pop("min_loss_scale", 1.0),

@@ -13,6 +13,10 @@ rounded once, at the end of the step.  ``p.grad`` is never modified.
 
 :class:`FusedMixedPrecisionLamb` is not provided: constructing it raises ``NotImplementedError``
 that names the replacement.
+
+apex 0.1's API is here too: ``FusedAdam`` built with ``max_grad_norm`` (or another argument only
+that version took) is its optimizer, and ``FP16_Optimizer`` is its cut-down wrapper (modules
+``fused_adam_v1`` and ``fp16_optimizer``).
 """
 
 from __future__ import annotations
@@ -23,9 +27,29 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..optim import FusedAdam, FusedSGD
+from .. import optim as _optim
+from ..optim import FusedSGD
+from .fp16_optimizer import FP16_Optimizer
+from .fused_adam_v1 import V1_ONLY_ARGUMENTS, FusedAdamV1
 
-__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad", "FusedMixedPrecisionLamb"]
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad", "FusedMixedPrecisionLamb",
+           "FP16_Optimizer", "FusedAdam_v1"]
+
+FusedAdam_v1 = FusedAdamV1  # apex's name for it, once the new FusedAdam came
+
+
+class FusedAdam(_optim.FusedAdam):
+    """``apex.optimizers.FusedAdam``: :class:`ampinit.optim.FusedAdam`, or apex 0.1's FusedAdam
+    (:class:`~ampinit.apex.fused_adam_v1.FusedAdamV1`) when built with an argument only that one
+    took (``max_grad_norm``, ``eps_inside_sqrt``, ``use_mt``, ``amp_scale_adjustment``), as the
+    scripts that pair it with ``apex.optimizers.FP16_Optimizer`` do.  The two differ: 0.1's
+    clips each param group, and with ``bias_correction`` its eps and weight decay are not
+    bias-corrected the way today's are."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if V1_ONLY_ARGUMENTS.intersection(kwargs):
+            return FusedAdamV1(*args, **kwargs)
+        return super().__new__(cls)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
