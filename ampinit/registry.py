@@ -40,8 +40,10 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 _TORCH_POLICIES: Dict[Any, str] = {}
 # The torch callables registered by name (not only as the wrapper of a registered one).
 _REGISTERED_DIRECTLY: set = set()
-# Per thread: how many disable_casts() blocks are open (apex's handle._is_active, per thread).
-_DISABLED = threading.local()
+# How many disable_casts() blocks are open, in any thread: apex's handle._is_active was one flag
+# for the process, and DataParallel runs its replicas' forwards in threads of its own.
+_DISABLED_DEPTH = [0]
+_DISABLED_LOCK = threading.Lock()
 
 
 def _target_dtype(policy: str, device_type: str, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
@@ -188,8 +190,9 @@ def torch_policies() -> Dict[Any, str]:
 
 
 def casts_disabled() -> bool:
-    """Whether this thread is inside :func:`disable_casts` (an O1/O4 forward then enters no autocast)."""
-    return getattr(_DISABLED, "depth", 0) > 0
+    """Whether a :func:`disable_casts` block is open in any thread (an O1/O4 forward then
+    enters no autocast)."""
+    return _DISABLED_DEPTH[0] > 0
 
 
 @contextlib.contextmanager
@@ -197,8 +200,13 @@ def disable_casts() -> Iterator[None]:
     """Inside this block ops run in the dtypes of their inputs, as in FP32 code (apex's
     ``amp.disable_casts()``): autocast is off on every device where it was on, and an O1/O4
     model called in the block does not turn it on for its forward.  Inputs of an O2/O3/O5
-    model are still cast to its dtype, as in apex."""
-    _DISABLED.depth = getattr(_DISABLED, "depth", 0) + 1
+    model are still cast to its dtype, as in apex.
+
+    As apex's, the block holds for every thread while it is open: ``nn.DataParallel`` runs its
+    replicas' forwards in threads of its own.  Autocast itself is turned off in this thread only
+    (torch's autocast state is per thread; DataParallel passes it on to its threads)."""
+    with _DISABLED_LOCK:
+        _DISABLED_DEPTH[0] += 1
     try:
         with contextlib.ExitStack() as stack:
             for device_type in _AUTOCAST_DEVICES:
@@ -210,4 +218,5 @@ def disable_casts() -> Iterator[None]:
                     stack.enter_context(torch.autocast(device_type, enabled=False))
             yield
     finally:
-        _DISABLED.depth -= 1
+        with _DISABLED_LOCK:
+            _DISABLED_DEPTH[0] -= 1

@@ -184,6 +184,37 @@ def test_disable_casts_around_an_o1_model_computes_as_fp32(level):
         assert torch.equal(model(x), want)
 
 
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_disable_casts_holds_for_the_threads_of_data_parallel(level):
+    """``nn.DataParallel`` runs each replica's forward in a thread of its own: apex's
+    ``disable_casts`` was one flag for the process, so those forwards ran in FP32; a per-thread
+    flag let them cast again.  The worker below does what DataParallel's does (on the CPU,
+    DataParallel calls the module directly).  Reference: the FP32 model, bit for bit."""
+    import threading
+    torch.manual_seed(0)
+    reference = _ConvBnHead().eval()
+    model = amp.initialize(_ConvBnHead().eval(), opt_level=level, verbosity=0)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 3, 8, 8) * 1e4
+    want = reference(x)
+    outputs = {}
+
+    def replica(name):
+        outputs[name] = model(x)
+
+    with amp.disable_casts():
+        workers = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    assert all(torch.equal(out, want) for out in outputs.values()) and len(outputs) == 2
+    worker = threading.Thread(target=replica, args=("after",))  # the block closed: casts again
+    worker.start()
+    worker.join()
+    assert not torch.equal(outputs["after"], want)
+
+
 def test_a_registered_torch_function_covers_its_functional_wrapper(monkeypatch):
     """``register_float_function(torch, 'batch_norm')`` (GradAlign's double backprop): apex patched
     ``torch.batch_norm``, which ``F.batch_norm`` (so ``nn.BatchNorm2d``) calls; ampinit's mode saw only
