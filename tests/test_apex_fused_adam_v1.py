@@ -216,9 +216,14 @@ def test_an_apex_checkpoint_of_the_pair_resumes_like_apex():
     first = opt.param_groups[0]["params"][0]
     assert opt.state[first]["step"] == reference.steps[0] > 0 and opt.state[first]["exp_avg"].shape == first.shape
 
+    assert (opt.loss_scaler.cur_iter, opt.loss_scaler.last_overflow_iter) == \
+        (reference.cur_iter, reference.last_overflow_iter)
+
     _train(model, opt, 6, planted={8}, first=6)
     _train(reference_model, reference, 6, planted={8}, first=6)
     _assert_same(model, reference_model, opt, reference)
+    assert (opt.loss_scaler.cur_iter, opt.loss_scaler.last_overflow_iter) == \
+        (reference.cur_iter, reference.last_overflow_iter) == (12, 8)
 
 
 def test_an_apex_checkpoint_of_other_groups_is_refused_untouched():

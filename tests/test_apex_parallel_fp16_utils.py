@@ -394,6 +394,10 @@ def test_fp16_optimizer_loads_an_apex_checkpoint(tmp_path, apex_alias, kind):
         assert torch.equal(master, value) and torch.equal(param, value.half())
         assert torch.equal(opt.state[master]["momentum_buffer"], torch.full_like(value, 0.5))
     assert opt.loss_scale == (512.0 if kind == "dynamic" else 128.0)
+    # the counters go on from the checkpoint's (apex's static LossScaler has none)
+    first = 40 if kind == "dynamic" else 0
+    assert (opt.loss_scaler.cur_iter, opt.loss_scaler.last_overflow_iter) == ((40, 30) if kind == "dynamic"
+                                                                              else (0, -1))
 
     overflows = [False] * 7 + [True] + [False] * 9
     x = torch.randn(5, 4).half()
@@ -405,6 +409,17 @@ def test_fp16_optimizer_loads_an_apex_checkpoint(tmp_path, apex_alias, kind):
         scales.append(opt.loss_scale)
     expected = _apex_dynamic_scales(512.0, 40, 30, 4.0, 8, overflows) if kind == "dynamic" else [128.0] * 17
     assert scales == expected
+    assert (opt.loss_scaler.cur_iter, opt.loss_scaler.last_overflow_iter) == (first + 17, first + 7)
+    other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).half()
+    resumed = fp16_utils.FP16_Optimizer(
+        torch.optim.SGD([{"params": other[0].parameters()}, {"params": other[1].parameters(), "lr": 0.05}], lr=0.1,
+                        momentum=0.9), verbose=False, dynamic_loss_scale=kind == "dynamic", static_loss_scale=1.0)
+    resumed.load_state_dict(opt.state_dict())  # ampinit's own checkpoint keeps them too
+    assert (resumed.loss_scaler.cur_iter, resumed.loss_scaler.last_overflow_iter) == (first + 17, first + 7)
+    for bad in ({"cur_iter": -1}, {"cur_iter": 3, "last_overflow_iter": 3}, {"cur_iter": 2.5}):
+        with pytest.raises(ValueError, match="cur_iter|last_overflow_iter"):
+            resumed.load_state_dict({**opt.state_dict(), **bad})
+    assert resumed.loss_scaler.cur_iter == first + 17
 
 
 def test_fp16_optimizer_refuses_an_apex_scaler_of_the_other_kind(tmp_path, apex_alias):

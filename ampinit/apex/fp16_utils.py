@@ -393,6 +393,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         """The optimizer's state, the loss scale's, and the FP32 masters (a host sync)."""
         return {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
                 "overflow": self.overflow, "first_closure_call_this_step": True,
+                "cur_iter": self.loss_scaler.cur_iter, "last_overflow_iter": self.loss_scaler.last_overflow_iter,
                 "optimizer_state_dict": self.optimizer.state_dict(),
                 "fp32_from_fp16": [p.detach().clone() for p in self.all_fp32_from_fp16_params]}
 
@@ -405,6 +406,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         scaler_state = state_dict.get("loss_scaler")
         # apex's scaler object (ours from apex.fp16_utils.loss_scaler, or a real apex's class).
         apex_scaler = not isinstance(scaler_state, dict) and hasattr(scaler_state, "cur_scale")
+        counters = self._saved_counters(state_dict["loss_scaler"] if apex_scaler else state_dict)
         if apex_scaler:
             scaler_state = self._from_apex_scaler(scaler_state)
         masters = state_dict.get("fp32_from_fp16", [])
@@ -418,6 +420,9 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         if apex_scaler:
             self._apply_apex_scaler(state_dict["loss_scaler"])
+        if counters is not None:  # loss_scaler.cur_iter and last_overflow_iter go on from there
+            self._binding.steps, last_overflow = counters
+            self._binding.last_overflow_step = None if last_overflow < 0 else last_overflow
         if isinstance(scaler_state, dict):
             self._scaler.load_state_dict(scaler_state)
         else:
@@ -430,6 +435,23 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         # apex restores `overflow` too (a checkpoint taken right after a skipped step says so)
         self._step_found_inf = torch.full((1,), float(bool(state_dict.get("overflow", False))),
                                           device=self._binding.flow.found_inf.device)
+
+    @staticmethod
+    def _saved_counters(saved: Any) -> Optional[Tuple[int, int]]:
+        """``(cur_iter, last_overflow_iter)`` of a checkpoint (apex's scaler object holds them,
+        ours has them as keys), checked; ``None`` where it has none."""
+        read = saved.get if isinstance(saved, dict) else lambda key: getattr(saved, key, None)
+        cur_iter, last_overflow = read("cur_iter"), read("last_overflow_iter")
+        if cur_iter is None:
+            return None
+        last_overflow = -1 if last_overflow is None else last_overflow
+        for name, value, low in (("cur_iter", cur_iter, 0), ("last_overflow_iter", last_overflow, -1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"FP16_Optimizer checkpoint: {name} must be an int >= {low}; got {value!r}")
+        if last_overflow >= cur_iter:
+            raise ValueError(f"FP16_Optimizer checkpoint: last_overflow_iter ({last_overflow}) must come before "
+                             f"cur_iter ({cur_iter})")
+        return cur_iter, last_overflow
 
     @staticmethod
     def _is_dynamic_apex_scaler(scaler: Any) -> bool:
