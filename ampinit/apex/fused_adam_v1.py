@@ -27,10 +27,11 @@ gradients.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from ._hyper import check_betas, check_number
 
 __all__ = ["FusedAdamV1", "V1_ONLY_ARGUMENTS"]
 
@@ -39,11 +40,6 @@ __all__ = ["FusedAdamV1", "V1_ONLY_ARGUMENTS"]
 V1_ONLY_ARGUMENTS = frozenset({"eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment"})
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_number(name: str, value: Any, low: float = 0.0, high: float = math.inf) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value < high:
-        raise ValueError(f"Invalid {name}: {value!r}; expected a number in [{low}, {high})")
 
 
 class FusedAdamV1(torch.optim.Optimizer):
@@ -69,17 +65,11 @@ class FusedAdamV1(torch.optim.Optimizer):
         if amp_scale_adjustment != 1.0:
             raise ValueError("FusedAdam(amp_scale_adjustment=...) is not supported by ampinit: ampinit hands the "
                              "optimizer unscaled gradients; divide the loss by the adjustment instead")
-        _check_number("learning rate (lr)", lr)
-        _check_number("epsilon (eps)", eps)
-        _check_number("weight_decay", weight_decay)
-        _check_number("max_grad_norm (0 disables clipping)", max_grad_norm)
-        try:
-            beta1, beta2 = betas
-        except (TypeError, ValueError):
-            raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2)") from None
-        _check_number("beta1 (betas[0])", beta1, 0.0, 1.0)
-        _check_number("beta2 (betas[1])", beta2, 0.0, 1.0)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=(float(beta1), float(beta2)),
+        check_number("learning rate (lr)", lr)
+        check_number("epsilon (eps)", eps)
+        check_number("weight_decay", weight_decay)
+        check_number("max_grad_norm (0 disables clipping)", max_grad_norm)
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=check_betas(betas),
                         eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
         # apex's names: mode 0 puts eps under the square root
@@ -97,7 +87,7 @@ class FusedAdamV1(torch.optim.Optimizer):
                 "FusedAdam.step(grads=..., output_params=...) is not supported by ampinit: let "
                 "apex.optimizers.FP16_Optimizer or ampinit.initialize keep the FP32 master weights, and "
                 "call step() without them")
-        _check_number("scale", scale, low=math.ulp(0.0))
+        check_number("scale", scale, low=math.ulp(0.0))
         if grad_norms is not None and len(grad_norms) != len(self.param_groups):
             raise ValueError(f"grad_norms needs one norm per param group ({len(self.param_groups)}); "
                              f"got {len(grad_norms)}")

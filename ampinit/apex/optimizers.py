@@ -22,13 +22,13 @@ that version took) is its optimizer, and ``FP16_Optimizer`` is its cut-down wrap
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .. import optim as _optim
 from ..optim import FusedSGD
+from ._hyper import check_betas, check_number
 from .fp16_optimizer import FP16_Optimizer
 from .fused_adam_v1 import V1_ONLY_ARGUMENTS, FusedAdamV1
 
@@ -55,27 +55,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # One bucket of a param group: the params of one (device, dtype) with a gradient this step.
 _Bucket = List[torch.Tensor]
-
-
-def _check_number(name: str, value: Any, low: float = 0.0, high: Optional[float] = None,
-                   high_open: bool = True) -> None:
-    """``ValueError`` unless ``value`` is a real number in ``[low, high)`` (or ``[low, high]``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"Invalid {name}: {value!r}; expected a number")
-    if value < low:
-        raise ValueError(f"Invalid {name}: {value}; must be >= {low}")
-    if high is not None and (value >= high if high_open else value > high):
-        raise ValueError(f"Invalid {name}: {value}; must be {'<' if high_open else '<='} {high}")
-
-
-def _check_betas(betas: Any) -> Tuple[float, float]:
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2)") from None
-    _check_number("beta1 (betas[0])", beta1, 0.0, 1.0)
-    _check_number("beta2 (betas[1])", beta2, 0.0, 1.0)
-    return float(beta1), float(beta2)
 
 
 class _ForeachOptimizer(torch.optim.Optimizer):
@@ -190,11 +169,11 @@ class FusedLAMB(_ForeachOptimizer):
                  set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False):
         if amsgrad:
             raise ValueError("FusedLAMB does not support the AMSGrad variant (amsgrad=True), as in apex")
-        _check_number("learning rate (lr)", lr)
-        _check_number("epsilon (eps)", eps)
-        _check_number("weight_decay", weight_decay)
-        _check_number("max_grad_norm (0 disables clipping)", max_grad_norm)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=_check_betas(betas), eps=eps,
+        check_number("learning rate (lr)", lr)
+        check_number("epsilon (eps)", eps)
+        check_number("weight_decay", weight_decay)
+        check_number("max_grad_norm (0 disables clipping)", max_grad_norm)
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=check_betas(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=bool(grad_averaging),
                         max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, set_grad_none)
@@ -314,13 +293,13 @@ class FusedNovoGrad(_ForeachOptimizer):
                  norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True):
         if amsgrad:
             raise ValueError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True), as in apex")
-        _check_number("learning rate (lr)", lr)
-        _check_number("epsilon (eps)", eps)
-        _check_number("weight_decay", weight_decay)
+        check_number("learning rate (lr)", lr)
+        check_number("epsilon (eps)", eps)
+        check_number("weight_decay", weight_decay)
         if isinstance(norm_type, bool) or norm_type not in (0, 2):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; FusedNovoGrad supports 2 (L2 norm) and "
                              "0 (max norm, L-infinity)")
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=_check_betas(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=check_betas(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=bool(grad_averaging), norm_type=int(norm_type),
                         init_zero=bool(init_zero))
         super().__init__(params, defaults, set_grad_none)
@@ -440,9 +419,9 @@ class FusedAdagrad(_ForeachOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
                  set_grad_none: bool = True, adagrad_w_mode: bool = False):
-        _check_number("learning rate (lr)", lr)
-        _check_number("epsilon (eps)", eps)
-        _check_number("weight_decay", weight_decay)
+        check_number("learning rate (lr)", lr)
+        check_number("epsilon (eps)", eps)
+        check_number("weight_decay", weight_decay)
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none)
         self.adagrad_w_mode = bool(adagrad_w_mode)
 
