@@ -42,10 +42,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # Group keys of torch.optim checkpoints that these kernels cannot honour: key -> the only
     # accepted value.
     _REFUSED: Dict[str, Any] = {"maximize": False}
+    # Settings kept as attributes rather than in the param groups: pickled (copy.deepcopy,
+    # torch.save of the optimizer) along with torch's state, which would leave them out.
+    _SETTINGS: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict):
         super().__init__(params, defaults)
         self._constants: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in self._SETTINGS if name in self.__dict__})
+        return state
 
     # -- loading and saving --------------------------------------------------------------
     def __setstate__(self, state: dict) -> None:
@@ -371,9 +379,14 @@ class FusedAdam(_FusedOptimizer):
         self.set_grad_none = set_grad_none
         self.state_dtype = state_dtype
 
+    _SETTINGS = ("adam_w_mode", "set_grad_none", "state_dtype")
+
     def __setstate__(self, state: dict) -> None:
+        if "adam_w_mode" not in self.__dict__ and "adam_w_mode" not in state:  # pickled without it
+            state = {**state, "adam_w_mode": bool(state["defaults"].get("decoupled_weight_decay", True))}
         super().__setstate__(state)
         self.__dict__.setdefault("state_dtype", None)
+        self.__dict__.setdefault("set_grad_none", True)
 
     def _check_loaded_group(self, index: int, group: dict) -> None:
         super()._check_loaded_group(index, group)
@@ -500,9 +513,12 @@ class FusedSGD(_FusedOptimizer):
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
 
+    _SETTINGS = ("set_grad_none",)
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_momentum_structure", {})
+        self.__dict__.setdefault("set_grad_none", False)
 
     def _check_loaded_group(self, index: int, group: dict) -> None:
         super()._check_loaded_group(index, group)
