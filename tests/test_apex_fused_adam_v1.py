@@ -359,3 +359,78 @@ def test_zero_grad_sets_none_and_the_dynamic_scale_starts_at_2_16():
     opt.step()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_subclasses_and_positional_arguments_are_never_silently_the_other_fused_adam():
+    """From the review: a subclass built with 0.1's arguments came back as a plain FusedAdamV1
+    (its own __init__ and step skipped); seven positional arguments built today's optimizer
+    from 0.1's order (eps_inside_sqrt landed on adam_w_mode)."""
+    params = [nn.Parameter(torch.zeros(3))]
+
+    class Logged(apex_optimizers.FusedAdam):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls = 0
+
+    class Clipped(apex_optimizers.FusedAdam):
+        def __init__(self, params):
+            super().__init__(params, lr=1e-3, max_grad_norm=1.0)
+
+    class OldStyle(apex_optimizers.FusedAdam_v1):
+        pass
+
+    with pytest.raises(TypeError, match="FusedAdam_v1"):
+        Logged(params, lr=1e-3, max_grad_norm=1.0)
+    with pytest.raises(TypeError, match="FusedAdam_v1"):
+        Clipped(params)
+    with pytest.raises(TypeError, match="by keyword"):
+        apex_optimizers.FusedAdam(params, 1e-3, False, (0.9, 0.999), 1e-8, False, 0.01)
+    assert Logged(params, 1e-3).calls == 0 and type(OldStyle(params, max_grad_norm=1.0)) is OldStyle
+    old = apex_optimizers.FusedAdam(params, 1e-3, False, (0.9, 0.999), 1e-8, weight_decay=0.01, max_grad_norm=1.0)
+    assert isinstance(old, apex_optimizers.FusedAdam) and isinstance(old, FusedAdamV1)
+    assert not isinstance(torch.optim.Adam(params), apex_optimizers.FusedAdam)
+
+
+@pytest.mark.parametrize("saved_by", ["torch_adam", "todays_fused_adam"])
+def test_another_adams_checkpoint_continues_in_fused_adam_v1(saved_by):
+    """From the review: a group loaded from a checkpoint without ``max_grad_norm`` made the
+    next step raise KeyError.  It takes the constructor's; the moments continue."""
+    torch.manual_seed(0)
+    param = nn.Parameter(torch.randn(5))
+    other = torch.optim.Adam([param], lr=0.01) if saved_by == "torch_adam" \
+        else apex_optimizers.FusedAdam([param], lr=0.01, adam_w_mode=False)
+    param.grad = torch.randn(5)
+    other.step()
+    opt = FusedAdamV1([param], lr=0.01, max_grad_norm=1e-3, eps_inside_sqrt=True)
+    opt.load_state_dict(other.state_dict())
+    group = opt.param_groups[0]
+    assert group["max_grad_norm"] == 1e-3 and group["lr"] == 0.01
+    state = opt.state[param]
+    moments = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+    param.grad = torch.randn(5)
+    before = param.detach().clone()
+    opt.step()
+    g = param.grad / ((param.grad.norm() + 1e-6) / 1e-3)  # clipped to the loaded group's max_grad_norm
+    m = 0.9 * moments[0] + 0.1 * g
+    v = 0.999 * moments[1] + 0.001 * g * g
+    size = 0.01 * math.sqrt(1 - 0.999 ** 2) / (1 - 0.9 ** 2)
+    torch.testing.assert_close(param.detach(), before - size * m / (v + 1e-8).sqrt())
+    assert state["step"] == 2
+
+
+@pytest.mark.parametrize("missing", ["cur_scale", "scale_window", "optimizer_state_dict", "state"])
+def test_an_incomplete_apex_checkpoint_names_what_it_lacks(missing):
+    reference_model = _model()
+    reference = _reference(reference_model, bias_correction=False, max_grad_norm=1.0)
+    _train(reference_model, reference, 2)
+    saved = reference.state_dict()
+    if missing == "state":
+        del saved["optimizer_state_dict"]["state"]
+    else:
+        del saved[missing]
+    model = _model(seed=3)
+    opt = _ampinit_pair(model, bias_correction=False, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="lacks"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state

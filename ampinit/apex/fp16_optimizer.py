@@ -57,11 +57,18 @@ class FP16_Optimizer(_FP16UtilsOptimizer):  # noqa: N801 (apex's name)
     def _from_flat_checkpoint(self, state_dict: Dict[str, Any]) -> tuple:
         """The ``apex.fp16_utils`` layout of apex's flat checkpoint, and the values of the
         parameters kept FP32 (which that layout does not hold).  Changes nothing."""
-        flats = state_dict["fp32_groups_flat"]
+        required = ["cur_scale", "optimizer_state_dict"]
+        if state_dict.get("dynamic_loss_scale"):
+            required += ["last_overflow_iter", "scale_factor", "scale_window"]
+        missing = [key for key in required if key not in state_dict]
         saved = state_dict.get("optimizer_state_dict")
+        if missing or not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+            raise ValueError("not a complete apex FP16_Optimizer checkpoint: it lacks "
+                             f"{missing or ['the state and param_groups of optimizer_state_dict']}")
+        flats = state_dict["fp32_groups_flat"]
         groups = self.optimizer.param_groups
-        if not isinstance(saved, dict) or len(saved.get("param_groups", ())) != len(groups) \
-                or not isinstance(flats, (list, tuple)) or len(flats) != len(groups):
+        if len(saved["param_groups"]) != len(groups) or not isinstance(flats, (list, tuple)) \
+                or len(flats) != len(groups):
             raise ValueError("apex FP16_Optimizer checkpoint: it has another number of param groups than this "
                              "optimizer; build the optimizer with the param groups it was saved with")
         value_of: Dict[int, torch.Tensor] = {}
@@ -76,7 +83,7 @@ class FP16_Optimizer(_FP16UtilsOptimizer):  # noqa: N801 (apex's name)
                                  f"{getattr(flat, 'numel', lambda: '?')()} values, this optimizer's {sum(sizes)}")
             for param, value in zip(params, flat.detach().split(sizes)):
                 value_of[id(param)] = value.view_as(param)
-            flat_state = saved.get("state", {}).get(saved_group["params"][0], {}) if saved_group["params"] else {}
+            flat_state = saved["state"].get(saved_group["params"][0], {}) if saved_group["params"] else {}
             for position, param in enumerate(params):
                 entry: Dict[str, Any] = {}
                 for key, value in flat_state.items():

@@ -1,5 +1,6 @@
-"""apex 0.1's ``FusedAdam`` (later ``apex.optimizers.FusedAdam_v1`` and
-``apex.contrib.optimizers.FusedAdam``), the optimizer of the pytorch-pretrained-BERT era.
+"""apex 0.1's ``FusedAdam`` (later ``apex.optimizers.FusedAdam_v1``; apex then moved it to
+``apex.contrib.optimizers``, which the alias does not provide), the optimizer of the
+pytorch-pretrained-BERT era.
 
 Scripts of that era build it as ``FusedAdam(params, lr, bias_correction=False,
 max_grad_norm=1.0)`` and wrap it in ``apex.optimizers.FP16_Optimizer``.  Its update is not
@@ -75,6 +76,14 @@ class FusedAdamV1(torch.optim.Optimizer):
         # apex's names: mode 0 puts eps under the square root
         self.eps_mode = 0 if eps_inside_sqrt else 1
         self.use_mt = bool(use_mt)
+
+    def __setstate__(self, state: dict) -> None:
+        """Also run by ``load_state_dict``: groups loaded from a checkpoint of another Adam
+        (``torch.optim.Adam``, today's FusedAdam) take the keys they lack from our defaults."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,

@@ -38,18 +38,51 @@ __all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad"
 FusedAdam_v1 = FusedAdamV1  # apex's name for it, once the new FusedAdam came
 
 
-class FusedAdam(_optim.FusedAdam):
+# Past (params, lr, bias_correction, betas, eps), apex 0.1's FusedAdam and today's take other
+# arguments in the same positions (eps_inside_sqrt / adam_w_mode, max_grad_norm / amsgrad).
+_SHARED_POSITIONS = 5
+
+
+def _check_fused_adam_arguments(cls: type, args: tuple, kwargs: dict, where: str) -> bool:
+    """Whether ``kwargs`` ask for apex 0.1's FusedAdam; ``TypeError`` where the call is ambiguous."""
+    if len(args) > _SHARED_POSITIONS:
+        raise TypeError("apex.optimizers.FusedAdam takes the arguments after eps by keyword: apex 0.1's FusedAdam "
+                        "(eps_inside_sqrt, weight_decay, max_grad_norm, ...) and today's (adam_w_mode, weight_decay, "
+                        f"amsgrad, ...) take different ones in those positions; got {len(args)} positional arguments")
+    old = sorted(V1_ONLY_ARGUMENTS.intersection(kwargs))
+    if old and (cls is not FusedAdam or where == "__init__"):
+        raise TypeError(f"{cls.__name__} subclasses apex.optimizers.FusedAdam (today's), and {old} are arguments of "
+                        "apex 0.1's FusedAdam only: subclass apex.optimizers.FusedAdam_v1 for those")
+    return bool(old)
+
+
+class _FusedAdamType(type):
+    """``isinstance(opt, apex.optimizers.FusedAdam)`` holds for the 0.1 optimizer it builds."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return type.__instancecheck__(cls, instance) or (cls is FusedAdam and isinstance(instance, FusedAdamV1))
+
+
+class FusedAdam(_optim.FusedAdam, metaclass=_FusedAdamType):
     """``apex.optimizers.FusedAdam``: :class:`ampinit.optim.FusedAdam`, or apex 0.1's FusedAdam
     (:class:`~ampinit.apex.fused_adam_v1.FusedAdamV1`) when built with an argument only that one
     took (``max_grad_norm``, ``eps_inside_sqrt``, ``use_mt``, ``amp_scale_adjustment``), as the
     scripts that pair it with ``apex.optimizers.FP16_Optimizer`` do.  The two differ: 0.1's
     clips each param group, and with ``bias_correction`` its eps and weight decay are not
-    bias-corrected the way today's are."""
+    bias-corrected the way today's are.
+
+    The arguments after ``eps`` are taken by keyword only (the two versions order them
+    differently), and a subclass is today's optimizer: passing it 0.1's arguments raises."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if V1_ONLY_ARGUMENTS.intersection(kwargs):
+        if _check_fused_adam_arguments(cls, args, kwargs, "__new__"):
             return FusedAdamV1(*args, **kwargs)
         return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        _check_fused_adam_arguments(type(self), args, kwargs, "__init__")
+        super().__init__(*args, **kwargs)
+
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
