@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, handle_of_model
+from .handle import AmpHandle, handle_holding, handle_of_model
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
@@ -112,8 +112,30 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
         if handle_of_model(model) is not None:
             raise RuntimeError("this model is already initialized by ampinit; call "
                                "ampinit.end(model) before initializing it again")
+        _check_no_module_of_another_initialization(model, config)
         if config.casts_model or config.master_weights:
             _check_no_lazy_tensors(model, config)
+
+
+def _check_no_module_of_another_initialization(model: nn.Module, config: AmpConfig) -> None:
+    """A module shared with a model that another live ``initialize`` set up (sentence-
+    transformers wraps one encoder in a loss model per objective and initializes each) would
+    get two sets of FP32 masters, or be cast under the other's optimizer: each optimizer's
+    updates would reach the other only through the 16-bit rounding.  Where neither casts the
+    model nor keeps masters (O0, O1, O4), sharing is harmless and allowed."""
+    def keeps_copies(of: AmpConfig) -> bool:
+        return of.casts_model or bool(of.master_weights)
+
+    for name, module in model.named_modules():
+        other = handle_holding(module)
+        if other is None or not (keeps_copies(config) or keeps_copies(other.config)):
+            continue
+        where = f"its submodule {name!r}" if name else "it"
+        raise RuntimeError(
+            f"this model shares {where} with a model that an earlier ampinit.initialize (opt_level="
+            f"{other.config.opt_level!r}) set up and has not ended: initialize them in one call, "
+            "ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters have one "
+            "FP32 master and one owner (or call ampinit.end on the first model before initializing this one)")
 
 
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:

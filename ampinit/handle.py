@@ -31,7 +31,7 @@ from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model"]
+__all__ = ["AmpHandle", "handle_of_model", "handle_holding"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
@@ -61,6 +61,19 @@ class _HandleLink:
 def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
     link = model.__dict__.get(_MODEL_ATTR)
     return link.handle if isinstance(link, _HandleLink) else None
+
+
+def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
+    """The live initialization ``module`` belongs to: as the model itself, or as one of the
+    modules of a model it cast (O2/O3/O5), which all carry its ``_RefuseAssign`` hook."""
+    handle = handle_of_model(module)
+    if handle is not None:
+        return handle
+    for hook in module._load_state_dict_pre_hooks.values():
+        hook = getattr(hook, "hook", hook)  # torch wraps hooks registered with_module
+        if isinstance(hook, _RefuseAssign) and hook.link.handle is not None:
+            return hook.link.handle
+    return None
 
 
 def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> List[tuple]:

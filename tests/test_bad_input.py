@@ -292,3 +292,61 @@ def test_load_state_dict_with_assign_on_a_container_is_refused_before_its_first_
     with pytest.raises(RuntimeError, match=r"assign=True\) would replace 1.weight, 1.bias"):
         model[0].load_state_dict(checkpoint, assign=True)
     assert model[0][0].weight is bn_weight and torch.equal(bn_weight, torch.ones(4))
+
+
+def _two_objectives():
+    """sentence-transformers' fit() with two objectives: one encoder in two loss models."""
+    torch.manual_seed(0)
+    encoder = nn.Linear(6, 8)
+    return encoder, nn.Sequential(encoder, nn.Tanh(), nn.Linear(8, 2)), nn.Sequential(encoder, nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("first, second", [("O2", "O2"), ("O5", "O5"), ("O3", "O3"), ("O2", "O1"), ("O1", "O2"),
+                                           ("O0", "O5")])
+def test_a_second_initialize_sharing_a_module_with_a_cast_model_is_refused_untouched(first, second):
+    """Each loss model initialized on its own (sentence-transformers <= 0.3, use_amp=True): the
+    shared encoder got a second FP32 master, started from the fp16 rounding, and each optimizer's
+    steps reached the other only through that rounding: at O2 the encoder ended 19 % of its
+    FP32 progress away (O5 61 %), silently.  Refused before the second model changes."""
+    encoder, model_a, model_b = _two_objectives()
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    amp.initialize(model_a, opt_a, opt_level=first, verbosity=0)
+    dtypes = [p.dtype for p in model_b.parameters()]
+    with pytest.raises(RuntimeError, match=r"initialize them in one call"):
+        amp.initialize(model_b, opt_b, opt_level=second, verbosity=0)
+    assert [p.dtype for p in model_b.parameters()] == dtypes and not model_b._forward_pre_hooks
+    assert type(opt_b) is torch.optim.SGD and amp.handle_of(model_a).optimizers == [opt_a]
+    amp.end(model_a)  # the way out the message names: end the first, and the second goes through
+    amp.initialize(model_b, opt_b, opt_level=second, verbosity=0)
+
+
+@pytest.mark.parametrize("level, dtype", [("O1", torch.float16), ("O4", torch.bfloat16)])
+def test_separate_autocast_initializations_may_share_a_module(level, dtype):
+    """Where neither initialization casts the model or keeps masters, sharing is harmless and
+    still allowed.  Reference: the same two objectives under hand-written autocast with the same
+    static loss scale, bit for bit."""
+    results = []
+    for by_hand in (False, True):
+        encoder, model_a, model_b = _two_objectives()
+        opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+        opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+        if not by_hand:
+            model_a, opt_a = amp.initialize(model_a, opt_a, opt_level=level, loss_scale=128.0, verbosity=0)
+            model_b, opt_b = amp.initialize(model_b, opt_b, opt_level=level, loss_scale=128.0, verbosity=0)
+        for step in range(4):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+                opt.zero_grad()
+                if by_hand:
+                    with torch.autocast("cpu", dtype=dtype):
+                        out = model(x)
+                    (out.float().square().mean() * 128.0).backward()
+                    for p in model.parameters():
+                        p.grad.div_(128.0)
+                else:
+                    with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+                        scaled.backward()
+                opt.step()
+        results.append(encoder.weight.detach().clone())
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], _two_objectives()[0].weight)
