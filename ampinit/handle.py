@@ -331,6 +331,7 @@ class AmpHandle:
                 params.append(mapping.get(param, param))
             group["params"] = params
         _remap_state(optimizer, mapping, torch.float32)
+        amp_optimizer.key_state_by_masters(optimizer, self.masters.master_param)
 
     # -- logging --------------------------------------------------------------------------------
     def log(self, min_verbosity: int, message: str, level: int = logging.INFO) -> None:
@@ -707,16 +708,17 @@ def _remap_state(optimizer: torch.optim.Optimizer, mapping: Dict[torch.Tensor, t
     (but ``step``) cast to ``dtype`` (default: the new key's dtype)."""
     state = optimizer.state
     for old, new in mapping.items():
-        if old in state:
-            entry = state.pop(old)
-            state[new] = {k: v.to(dtype or new.dtype)
-                          if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                          for k, v in entry.items()}
+        if dict.__contains__(state, old):  # by the exact keys (see optimizer.MasterKeyedState)
+            entry = dict.pop(state, old)
+            dict.__setitem__(state, new, {k: v.to(dtype or new.dtype)
+                                          if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                                          else v for k, v in entry.items()})
 
 
 def _uninstall_masters(binding: OptimizerBinding) -> None:
     """Model parameters take their places back in ``param_groups`` (with their masters' gradients,
     in FP32 until the cast is undone); optimizer state follows them."""
+    amp_optimizer.plain_state(binding.optimizer)
     model_of = {master: model for model, master in binding.flow.distinct_pairs()}
     if not model_of:
         return

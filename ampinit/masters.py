@@ -183,6 +183,12 @@ class MasterWeights:
             self._remainders[tensor] = (remainder, ties)
 
     # -- lookups -------------------------------------------------------------------------------
+    def master_param(self, model: torch.Tensor) -> Optional[torch.Tensor]:
+        """The FP32 master an optimizer updates in place of the model parameter ``model``, or
+        ``None`` (no optimizer took it, or the optimizer updates ``model`` itself)."""
+        master = self._value.get(model)
+        return master if master is not None and master in self._model_of else None
+
     def master_of(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """The FP32 value of a cast tensor (the master, for a parameter), or ``None``.  For a
         master kept as remainders: the joined value, a new tensor (writes to it change nothing)."""

@@ -14,6 +14,7 @@ is: ampinit binds the optimizer inside.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -23,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .binding import OptimizerBinding
     from .handle import AmpHandle
 
-__all__ = ["amp_optimizer_class", "binding_of", "inner_optimizer", "attach", "detach"]
+__all__ = ["amp_optimizer_class", "binding_of", "inner_optimizer", "attach", "detach", "MasterKeyedState",
+           "key_state_by_masters", "plain_state"]
 
 _BINDING_ATTR = "_ampinit_binding"
 _ENDED_ATTR = "_ampinit_ended"
@@ -123,6 +125,72 @@ class _AmpOptimizerMixin:
         if binding is None:
             return super().add_param_group(param_group)
         binding.handle.add_param_group(binding, param_group, super().add_param_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which makes ``self.state`` anew: it is keyed by the masters again."""
+        super().load_state_dict(state_dict)
+        binding = binding_of(self)
+        if binding is not None and binding.flow.masters is not None:
+            key_state_by_masters(self, binding.flow.masters.master_param)
+
+
+class MasterKeyedState(collections.defaultdict):
+    """``optimizer.state`` of an optimizer that updates FP32 masters: keyed by the masters, as the
+    optimizer's own ``step`` reads it, and reachable through the model's parameters too.  Code
+    that resets or reads the state of a layer by its weight (``del optimizer.state[layer.weight]``,
+    ``optimizer.state[p]["exp_avg"].zero_()``) reaches the master's entry, where a plain
+    ``defaultdict`` would make a new, empty entry for the model parameter: the reset would change
+    nothing, and ``optimizer.state_dict()`` would fail on the stray key.  A key found as it is
+    costs nothing extra; only missing keys, membership tests and writes are translated."""
+
+    def __init__(self, entries: Any, master_param: Callable[[torch.Tensor], Optional[torch.Tensor]]):
+        super().__init__(dict, entries)
+        self._master_param = master_param
+
+    def _key(self, key: Any) -> Any:
+        if isinstance(key, torch.Tensor):
+            master = self._master_param(key)
+            if master is not None:
+                return master
+        return key
+
+    def __missing__(self, key: Any) -> Any:
+        master = self._key(key)
+        return self[master] if master is not key else super().__missing__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(self._key(key), value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(self._key(key))
+
+    def __contains__(self, key: Any) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self._key(key), default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return super().pop(self._key(key), *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return super().setdefault(self._key(key), default)
+
+    def __reduce__(self) -> tuple:
+        # a copy (copy.deepcopy, pickling the optimizer) is a plain defaultdict: it has no masters
+        return (collections.defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+
+def key_state_by_masters(optimizer: torch.optim.Optimizer,
+                         master_param: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
+    """Make ``optimizer.state`` a :class:`MasterKeyedState` (the same entries)."""
+    optimizer.state = MasterKeyedState(optimizer.state, master_param)
+
+
+def plain_state(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`key_state_by_masters` (``ampinit.end``)."""
+    if isinstance(optimizer.state, MasterKeyedState):
+        optimizer.state = collections.defaultdict(dict, dict.items(optimizer.state))
 
 
 class _AmpStash:

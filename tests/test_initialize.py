@@ -235,7 +235,9 @@ def test_existing_optimizer_state_moves_to_masters():
     exp_avg = opt.state[model.fc1.weight]["exp_avg"].clone()
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     master = opt.param_groups[0]["params"][0]
-    assert torch.equal(opt.state[master]["exp_avg"], exp_avg) and model.fc1.weight not in opt.state
+    assert torch.equal(opt.state[master]["exp_avg"], exp_avg)
+    assert all(key is not model.fc1.weight for key in opt.state)  # moved: keyed by the master
+    assert opt.state[model.fc1.weight] is opt.state[master]  # and reached through the weight too
 
 
 def test_zero_grad_clears_model_and_master_grads():

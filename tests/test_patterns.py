@@ -684,3 +684,51 @@ def test_zeros_given_back_by_zero_grad_raise_no_bf16_sum_warning(caplog):
     for _ in range(2):  # two losses before one step: that sum is in bf16, and is said
         amp_backward(model["a"](torch.randn(3, 16).bfloat16()).float().pow(2).mean(), opt, "O5")
     assert "several scale_loss" in caplog.text
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O5"])
+@pytest.mark.parametrize("reset", ["delete", "assign", "zero_moments"])
+def test_optimizer_state_reached_through_the_model_parameters(opt_level, reset):
+    """Resetting Adam's state of a re-initialized layer by its weight (ReDo, plasticity work,
+    lottery-ticket rewinding), ``del optimizer.state[layer.weight]``: at O2/O5 the state is keyed
+    by the FP32 masters, so the lookup made a new empty entry for the model parameter: the reset
+    did nothing (the weight ended where no reset leads: -0.337 against FP32's -0.004), reads gave
+    {}, and the next optimizer.state_dict() raised KeyError.  Reference: FP32, the same resets."""
+    def run(level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        if level is not None:
+            model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        keys = None
+        for step in range(12):
+            sign = 1.0 if step < 6 else -1.0  # the objective flips when the layer is reset
+            opt.zero_grad()
+            loss = sign * model(x).float().mean()
+            if level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            if step == 5:
+                weight = model[2].weight
+                keys = sorted(opt.state[weight])
+                assert weight in opt.state and opt.state.get(weight) is opt.state[weight]
+                if reset == "delete":
+                    del opt.state[weight]
+                elif reset == "assign":
+                    opt.state[weight] = {}
+                else:
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        opt.state[weight][name].zero_()
+                opt.state_dict()  # no stray key
+        return [p.detach().float().clone() for p in model.parameters()], keys, opt
+
+    want, want_keys, _ = run(None)
+    got, got_keys, opt = run(opt_level)
+    assert got_keys == want_keys == ["exp_avg", "exp_avg_sq", "step"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0.0, atol=1e-5 if opt_level == "O0" else 0.02)
+    assert len(opt.state_dict()["state"]) == 4
