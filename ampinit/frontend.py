@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, handle_holding, handle_of_model
+from .handle import AmpHandle, handle_holding, handle_holding_parameter, handle_of_model
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
@@ -118,24 +118,29 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
 
 
 def _check_no_module_of_another_initialization(model: nn.Module, config: AmpConfig) -> None:
-    """A module shared with a model that another live ``initialize`` set up (sentence-
-    transformers wraps one encoder in a loss model per objective and initializes each) would
-    get two sets of FP32 masters, or be cast under the other's optimizer: each optimizer's
-    updates would reach the other only through the 16-bit rounding.  Where neither casts the
-    model nor keeps masters (O0, O1, O4), sharing is harmless and allowed."""
+    """A module or parameter shared with a model that another live ``initialize`` set up with an
+    optimizer (sentence-transformers wraps one encoder in a loss model per objective and
+    initializes each) would get two sets of FP32 masters, or be cast under the other's
+    optimizer: each optimizer's updates would reach the other only through the 16-bit rounding.
+    Allowed where neither casts the model nor keeps masters (O0, O1, O4), or where the other
+    initialization has no optimizer (a teacher initialized for inference)."""
     def keeps_copies(of: AmpConfig) -> bool:
         return of.casts_model or bool(of.master_weights)
 
-    for name, module in model.named_modules():
-        other = handle_holding(module)
-        if other is None or not (keeps_copies(config) or keeps_copies(other.config)):
-            continue
-        where = f"its submodule {name!r}" if name else "it"
-        raise RuntimeError(
-            f"this model shares {where} with a model that an earlier ampinit.initialize (opt_level="
-            f"{other.config.opt_level!r}) set up and has not ended: initialize them in one call, "
-            "ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters have one "
-            "FP32 master and one owner (or call ampinit.end on the first model before initializing this one)")
+    def conflicts(other: Optional[AmpHandle]) -> bool:
+        return other is not None and bool(other.optimizers) and (keeps_copies(config) or keeps_copies(other.config))
+
+    shared = [(f"its submodule {name!r}" if name else "it", handle_holding(module))
+              for name, module in model.named_modules()]
+    shared += [(f"its parameter {name!r}", handle_holding_parameter(param)) for name, param in model.named_parameters()]
+    for what, other in shared:
+        if conflicts(other):
+            raise RuntimeError(
+                f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
+                f"{other.config.opt_level!r}) set up with an optimizer and has not ended: initialize them in one "
+                "call, ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters "
+                "have one FP32 master and one owner; or end the earlier initialization first, "
+                "ampinit.end(shared_module) (any module of its model will do)")
 
 
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
@@ -319,8 +324,8 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model: Optional
 
 
 def handle_of(obj: Any = None) -> AmpHandle:
-    """The :class:`~ampinit.AmpHandle` of a model, an optimizer, or (``None``) of the most
-    recent ``initialize`` call."""
+    """The :class:`~ampinit.AmpHandle` of a model (or any module of one), an optimizer, or
+    (``None``) of the most recent ``initialize`` call."""
     if isinstance(obj, AmpHandle):
         return obj
     if obj is None:
@@ -335,7 +340,7 @@ def handle_of(obj: Any = None) -> AmpHandle:
         if binding is not None:
             return binding.handle
     elif isinstance(obj, nn.Module):
-        handle = handle_of_model(obj)
+        handle = handle_holding(obj)  # the model, or any module of it
         if handle is not None:
             return handle
     else:

@@ -31,10 +31,11 @@ from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model", "handle_holding"]
+__all__ = ["AmpHandle", "handle_of_model", "handle_holding", "handle_holding_parameter"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
+_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _HandleLink
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
@@ -65,7 +66,7 @@ def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
 
 def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
     """The live initialization ``module`` belongs to: as the model itself, or as one of the
-    modules of a model it cast (O2/O3/O5), which all carry its ``_RefuseAssign`` hook."""
+    modules of its model, which all carry its ``_RefuseAssign`` hook."""
     handle = handle_of_model(module)
     if handle is not None:
         return handle
@@ -74,6 +75,13 @@ def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
         if isinstance(hook, _RefuseAssign) and hook.link.handle is not None:
             return hook.link.handle
     return None
+
+
+def handle_holding_parameter(param: torch.Tensor) -> Optional["AmpHandle"]:
+    """The live initialization whose models held ``param`` at ``initialize`` (a weight tied
+    into another model is found here, where its module is not)."""
+    link = param.__dict__.get(_PARAM_ATTR)
+    return link.handle if isinstance(link, _HandleLink) else None
 
 
 def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> List[tuple]:
@@ -315,6 +323,8 @@ class AmpHandle:
         for model in self.models:
             self._hooks.extend(self._install_state_dict_hooks(model, original))
             model.__dict__[_MODEL_ATTR] = self._link
+            for param in model.parameters():
+                param.__dict__[_PARAM_ATTR] = self._link
 
     def _install_masters(self, optimizer: torch.optim.Optimizer) -> None:
         """Put masters into ``param_groups`` and move existing optimizer state onto them."""
@@ -698,6 +708,9 @@ class AmpHandle:
         for model in self.models:
             if model.__dict__.get(_MODEL_ATTR) is self._link:
                 del model.__dict__[_MODEL_ATTR]
+            for param in model.parameters():
+                if param.__dict__.get(_PARAM_ATTR) is self._link:
+                    del param.__dict__[_PARAM_ATTR]
         self._link.handle = None
         self.log(1, f"ampinit: ended opt_level {self.config.opt_level} initialization")
 

@@ -141,14 +141,16 @@ class MasterKeyedState(collections.defaultdict):
     ``optimizer.state[p]["exp_avg"].zero_()``) reaches the master's entry, where a plain
     ``defaultdict`` would make a new, empty entry for the model parameter: the reset would change
     nothing, and ``optimizer.state_dict()`` would fail on the stray key.  A key found as it is
-    costs nothing extra; only missing keys, membership tests and writes are translated."""
+    costs nothing extra; only missing keys, membership tests and writes are translated.  Copies
+    (``copy()``, ``|``, pickling) translate nothing."""
 
-    def __init__(self, entries: Any, master_param: Callable[[torch.Tensor], Optional[torch.Tensor]]):
-        super().__init__(dict, entries)
+    def __init__(self, *args: Any, master_param: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self._master_param = master_param
 
     def _key(self, key: Any) -> Any:
-        if isinstance(key, torch.Tensor):
+        if self._master_param is not None and isinstance(key, torch.Tensor):
             master = self._master_param(key)
             if master is not None:
                 return master
@@ -176,15 +178,41 @@ class MasterKeyedState(collections.defaultdict):
     def setdefault(self, key: Any, default: Any = None) -> Any:
         return super().setdefault(self._key(key), default)
 
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> "MasterKeyedState":
+        self.update(other)
+        return self
+
+    def copy(self) -> collections.defaultdict:
+        return collections.defaultdict(self.default_factory, dict.items(self))
+
+    __copy__ = copy
+
+    def __or__(self, other: Any) -> collections.defaultdict:
+        merged = self.copy()
+        merged.update(other)
+        return merged
+
     def __reduce__(self) -> tuple:
         # a copy (copy.deepcopy, pickling the optimizer) is a plain defaultdict: it has no masters
-        return (collections.defaultdict, (dict,), None, None, iter(dict.items(self)))
+        return (collections.defaultdict, (self.default_factory,), None, None, iter(dict.items(self)))
 
 
 def key_state_by_masters(optimizer: torch.optim.Optimizer,
                          master_param: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
-    """Make ``optimizer.state`` a :class:`MasterKeyedState` (the same entries)."""
-    optimizer.state = MasterKeyedState(optimizer.state, master_param)
+    """Make ``optimizer.state`` a :class:`MasterKeyedState` (the same entries), if it is torch's
+    ``defaultdict(dict)``: an optimizer with a state of its own kind (a plain dict whose misses
+    raise ``KeyError``, a read-only property) keeps it as it is."""
+    state = optimizer.__dict__.get("state")
+    if type(state) is not collections.defaultdict or state.default_factory is not dict:
+        return
+    try:
+        optimizer.state = MasterKeyedState(dict, state, master_param=master_param)
+    except (AttributeError, TypeError):  # a property on the class without a setter
+        pass
 
 
 def plain_state(optimizer: torch.optim.Optimizer) -> None:

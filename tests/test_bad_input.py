@@ -350,3 +350,73 @@ def test_separate_autocast_initializations_may_share_a_module(level, dtype):
                 opt.step()
         results.append(encoder.weight.detach().clone())
     assert torch.equal(results[0], results[1]) and not torch.equal(results[0], _two_objectives()[0].weight)
+
+
+@pytest.mark.parametrize("first, second", [("O2", "O2"), ("O1", "O2"), ("O2", "O1")])
+def test_a_weight_tied_into_a_second_initialization_is_refused(first, second):
+    """From the review: ``b.fc.weight = a.fc.weight`` across two models initialized apart shares a
+    parameter but no module: it got two FP32 masters (10-35 % of its FP32 progress off)."""
+    a, b = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    b[0].weight = a[0].weight
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize(a, opt_a, opt_level=first, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"shares its parameter '0.weight'.*initialize them in one call"):
+        amp.initialize(b, opt_b, opt_level=second, verbosity=0)
+    assert type(opt_b) is torch.optim.SGD and b[1].weight.dtype == torch.float32
+
+
+def test_a_teacher_initialized_without_an_optimizer_may_sit_inside_the_student():
+    """From the review: distillation with the teacher initialized for inference alone (no
+    optimizer: it owns no parameters) was refused.  Reference: the wrapper initialized alone,
+    the teacher cast by it, bit for bit."""
+    class Distill(nn.Module):
+        def __init__(self, student, teacher):
+            super().__init__()
+            self.student, self.teacher = student, teacher
+
+        def forward(self, x):
+            with torch.no_grad():
+                target = self.teacher(x)
+            # in FP32: a teacher initialized on its own returns FP32 outputs, as a root model does
+            return (self.student(x).float() - target.float()).square().mean()
+
+    results = []
+    for separately in (True, False):
+        torch.manual_seed(0)
+        student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
+        teacher.requires_grad_(False)
+        if separately:
+            teacher = amp.initialize(teacher, opt_level="O2", verbosity=0)
+        model = Distill(student, teacher)
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+        for step in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))), opt) as s:
+                s.backward()
+            opt.step()
+        results.append([p.detach().float().clone() for p in amp.master_params(opt)])
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+
+
+def test_the_refusal_names_a_way_out_when_the_first_model_is_gone():
+    """From the review: a fold's loss model and optimizer dropped, its encoder reused: the
+    refusal said to end the first model, which the script no longer holds.  Any module of an
+    initialized model now reaches its initialization."""
+    import gc
+    encoder = nn.Linear(4, 4)
+
+    def fold():
+        model = nn.Sequential(encoder, nn.Linear(4, 2))
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+
+    fold()
+    gc.collect()
+    model = nn.Sequential(encoder, nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"ampinit.end\(shared_module\)"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert amp.handle_of(encoder).config.opt_level == "O2"
+    amp.end(encoder)
+    assert encoder.weight.dtype == torch.float32
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)

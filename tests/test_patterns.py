@@ -732,3 +732,71 @@ def test_optimizer_state_reached_through_the_model_parameters(opt_level, reset):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0.0, atol=1e-5 if opt_level == "O0" else 0.02)
     assert len(opt.state_dict()["state"]) == 4
+
+
+def test_the_master_keyed_state_copies_and_updates_like_a_dict():
+    """From the review: ``optimizer.state.copy()`` / ``copy.copy`` / ``|`` raised TypeError, and
+    ``update`` stored a stray model-parameter key that the next state_dict() refused."""
+    import copy as copy_module
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    weight, master = model[0].weight, opt.param_groups[0]["params"][0]
+    for copied in (opt.state.copy(), copy_module.copy(opt.state), opt.state | {}):
+        assert dict(copied) == dict(opt.state) and copied is not opt.state
+    opt.state.update({weight: {}})
+    assert opt.state[master] == {} and all(key is not weight for key in opt.state)
+    opt.state |= {weight: {"note": 1}}
+    assert opt.state[master] == {"note": 1}
+    assert len(opt.state_dict()["state"]) == 2
+
+
+class _PlainDictSGD(torch.optim.Optimizer):
+    """A custom optimizer whose state is a plain dict, initialized on KeyError."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                try:
+                    buf = self.state[p]["buf"]
+                except KeyError:
+                    buf = self.state[p] = {"buf": torch.zeros_like(p)}
+                    buf = buf["buf"]
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def test_an_optimizer_with_a_state_of_its_own_kind_keeps_it():
+    """From the review: a plain-dict state became a defaultdict at O2, so the optimizer's
+    ``except KeyError`` never ran and its step raised.  Reference: FP32."""
+    results = []
+    for level in (None, "O2"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = _PlainDictSGD(model.parameters(), lr=0.05)
+        if level:
+            model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+            assert type(opt.state) is dict
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).float().mean()
+            if level:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+        results.append([p.detach().float() for p in model.parameters()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=0.0, atol=2e-3)
