@@ -126,12 +126,30 @@ class _AmpOptimizerMixin:
             return super().add_param_group(param_group)
         binding.handle.add_param_group(binding, param_group, super().add_param_group)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A copy (``copy.deepcopy``, ``torch.save`` of the optimizer object) is an optimizer of
+        the original class over copies of what ``param_groups`` hold (the FP32 masters), not
+        bound to any model, as a copy of an initialized model is not bound either."""
+        reduced = super().__reduce_ex__(protocol)
+        if not isinstance(reduced, tuple):
+            return reduced
+        rest = list(reduced[2:])
+        if rest and isinstance(rest[0], dict) and (_BINDING_ATTR in rest[0] or _ENDED_ATTR in rest[0]):
+            rest[0] = {k: v for k, v in rest[0].items() if k not in (_BINDING_ATTR, _ENDED_ATTR)}
+        # pickle's __newobj__ insists on the object's own class: build the base class's instead
+        return (_new_instance, (type(self)._ampinit_base,), *rest)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, which makes ``self.state`` anew: it is keyed by the masters again."""
         super().load_state_dict(state_dict)
         binding = binding_of(self)
         if binding is not None and binding.flow.masters is not None:
             key_state_by_masters(self, binding.flow.masters.master_param)
+
+
+def _new_instance(cls: type) -> Any:
+    """An empty ``cls`` for unpickling (its state is set by ``__setstate__``)."""
+    return cls.__new__(cls)
 
 
 class MasterKeyedState(collections.defaultdict):

@@ -1,3 +1,4 @@
+import collections
 import copy
 import json
 import os
@@ -227,3 +228,38 @@ def test_a_module_made_after_initialize_and_shared_under_two_names_saves_fp32_un
     master = opt.param_groups[0]["params"][2].detach()
     for key in ("2.parametrizations.weight.original", "alias.parametrizations.weight.original"):
         assert state[key].dtype == torch.float32 and torch.equal(state[key], master), key
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_a_copied_initialized_optimizer_is_a_plain_one_over_copies(opt_level, how):
+    """From the review: ``torch.save(optimizer)`` after initialize raised PicklingError (the
+    per-class subclass borrows its base's name), and ``copy.deepcopy(optimizer).step()`` recursed
+    forever.  A copy is the base class's optimizer over copies of param_groups' tensors (the FP32
+    masters at O2/O5), unbound, as a copied model is; it steps like torch's from that state."""
+    import copy as copy_module
+    import io
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    if how == "deepcopy":
+        copied = copy_module.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert type(copied) is torch.optim.Adam and type(copied.state) is collections.defaultdict
+    twin = torch.optim.Adam([p.detach().clone().requires_grad_() for p in opt.param_groups[0]["params"]], lr=0.1)
+    twin.load_state_dict(opt.state_dict())
+    for a, b in zip(copied.param_groups[0]["params"], twin.param_groups[0]["params"]):
+        assert torch.equal(a, b) and a is not b
+        a.grad = b.grad = torch.ones_like(a)
+    copied.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(copied.param_groups[0]["params"], twin.param_groups[0]["params"]))
+    assert amp.handle_of(opt).optimizers == [opt]  # the original is still bound
