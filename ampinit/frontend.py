@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, handle_holding, handle_holding_parameter, handle_of_model
+from .handle import AmpHandle, handle_holding, handle_of_model, handles_holding_parameter
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
@@ -112,35 +112,41 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
         if handle_of_model(model) is not None:
             raise RuntimeError("this model is already initialized by ampinit; call "
                                "ampinit.end(model) before initializing it again")
-        _check_no_module_of_another_initialization(model, config)
         if config.casts_model or config.master_weights:
             _check_no_lazy_tensors(model, config)
 
 
-def _check_no_module_of_another_initialization(model: nn.Module, config: AmpConfig) -> None:
-    """A module or parameter shared with a model that another live ``initialize`` set up with an
-    optimizer (sentence-transformers wraps one encoder in a loss model per objective and
-    initializes each) would get two sets of FP32 masters, or be cast under the other's
-    optimizer: each optimizer's updates would reach the other only through the 16-bit rounding.
-    Allowed where neither casts the model nor keeps masters (O0, O1, O4), or where the other
-    initialization has no optimizer (a teacher initialized for inference)."""
+def _check_nothing_shared_with_another_initialization(model: nn.Module, trained: set, config: AmpConfig) -> None:
+    """A module or parameter shared with a model that another live ``initialize`` set up
+    (sentence-transformers wraps one encoder in a loss model per objective and initializes each)
+    would get two sets of FP32 masters, or be cast under the other's optimizer: each optimizer's
+    updates would reach the other only through the 16-bit rounding, and ending one would write
+    its stale values back.  Allowed where neither casts the model nor keeps masters (O0, O1, O4),
+    and where the other initialization has no optimizer and this one trains none of the shared
+    parameters (a frozen teacher initialized for inference, inside a student).  ``trained``:
+    the ids of the parameters this initialization's optimizers hold."""
     def keeps_copies(of: AmpConfig) -> bool:
         return of.casts_model or bool(of.master_weights)
 
-    def conflicts(other: Optional[AmpHandle]) -> bool:
-        return other is not None and bool(other.optimizers) and (keeps_copies(config) or keeps_copies(other.config))
+    def conflicts(other: AmpHandle, params: List[torch.Tensor]) -> bool:
+        if not (keeps_copies(config) or keeps_copies(other.config)):
+            return False
+        return bool(other.optimizers) or any(id(p) in trained for p in params)
 
-    shared = [(f"its submodule {name!r}" if name else "it", handle_holding(module))
+    shared = [(f"its submodule {name!r}" if name else "it", [handle_holding(module)], list(module.parameters()))
               for name, module in model.named_modules()]
-    shared += [(f"its parameter {name!r}", handle_holding_parameter(param)) for name, param in model.named_parameters()]
-    for what, other in shared:
-        if conflicts(other):
-            raise RuntimeError(
-                f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
-                f"{other.config.opt_level!r}) set up with an optimizer and has not ended: initialize them in one "
-                "call, ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters "
-                "have one FP32 master and one owner; or end the earlier initialization first, "
-                "ampinit.end(shared_module) (any module of its model will do)")
+    shared += [(f"its parameter {name!r}", handles_holding_parameter(param), [param])
+               for name, param in model.named_parameters()]
+    for what, others, params in shared:
+        for other in others:
+            if other is not None and conflicts(other, params):
+                raise RuntimeError(
+                    f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
+                    f"{other.config.opt_level!r}) set up and has not ended: initialize them in one call, "
+                    "ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters "
+                    "have one FP32 master and one owner; or end the earlier initialization first, "
+                    "ampinit.end(earlier_model) (a module of it will do).  A model initialized without an "
+                    "optimizer may be shared if this initialization's optimizers do not train it")
 
 
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
@@ -276,6 +282,9 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
     device = _model_device(model_list)
     inner = [amp_optimizer.inner_optimizer(opt) for opt in opt_list]
     _check_optimizers(inner, device, config)
+    trained = {id(p) for opt in inner for group in opt.param_groups for p in group["params"]}
+    for model in model_list:
+        _check_nothing_shared_with_another_initialization(model, trained, config)
 
     handle = AmpHandle(config, model_list, inner, device)
     _remember(handle)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,11 +31,11 @@ from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model", "handle_holding", "handle_holding_parameter"]
+__all__ = ["AmpHandle", "handle_of_model", "handle_holding", "handles_holding_parameter"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
-_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _HandleLink
+_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: the _HandleLinks
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
@@ -77,11 +77,27 @@ def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
     return None
 
 
-def handle_holding_parameter(param: torch.Tensor) -> Optional["AmpHandle"]:
-    """The live initialization whose models held ``param`` at ``initialize`` (a weight tied
-    into another model is found here, where its module is not)."""
-    link = param.__dict__.get(_PARAM_ATTR)
-    return link.handle if isinstance(link, _HandleLink) else None
+def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
+    """The live initializations whose models or optimizers hold ``param`` (a weight tied into
+    another model is found here, where its module is not)."""
+    links = param.__dict__.get(_PARAM_ATTR, ())
+    return [link.handle for link in links if isinstance(link, _HandleLink) and link.handle is not None]
+
+
+def _mark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
+    for param in params:
+        links = param.__dict__.setdefault(_PARAM_ATTR, [])
+        if all(existing is not link for existing in links):
+            links.append(link)
+
+
+def _unmark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
+    for param in params:
+        links = param.__dict__.get(_PARAM_ATTR)
+        if links is not None:
+            links[:] = [existing for existing in links if existing is not link]
+            if not links:
+                del param.__dict__[_PARAM_ATTR]
 
 
 def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> List[tuple]:
@@ -254,6 +270,7 @@ class AmpHandle:
         self.device = device
         self.models = list(models)
         self.optimizers = list(optimizers)
+        self._added_params: List[torch.Tensor] = []  # by add_param_group: marked as held (see end)
         self.ended = False
         self._bindings: List[OptimizerBinding] = []
         self._hooks: list = []
@@ -323,8 +340,7 @@ class AmpHandle:
         for model in self.models:
             self._hooks.extend(self._install_state_dict_hooks(model, original))
             model.__dict__[_MODEL_ATTR] = self._link
-            for param in model.parameters():
-                param.__dict__[_PARAM_ATTR] = self._link
+            _mark_parameters(model.parameters(), self._link)
 
     def _install_masters(self, optimizer: torch.optim.Optimizer) -> None:
         """Put masters into ``param_groups`` and move existing optimizer state onto them."""
@@ -542,6 +558,8 @@ class AmpHandle:
             for param in new:
                 self.masters.release(param)
             raise
+        _mark_parameters(params, self._link)  # a module added to the model since is held too
+        self._added_params.extend(params)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,
@@ -708,9 +726,8 @@ class AmpHandle:
         for model in self.models:
             if model.__dict__.get(_MODEL_ATTR) is self._link:
                 del model.__dict__[_MODEL_ATTR]
-            for param in model.parameters():
-                if param.__dict__.get(_PARAM_ATTR) is self._link:
-                    del param.__dict__[_PARAM_ATTR]
+            _unmark_parameters(model.parameters(), self._link)
+        _unmark_parameters(self._added_params, self._link)
         self._link.handle = None
         self.log(1, f"ampinit: ended opt_level {self.config.opt_level} initialization")
 

@@ -128,8 +128,17 @@ class _AmpOptimizerMixin:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """A copy (``copy.deepcopy``, ``torch.save`` of the optimizer object) is an optimizer of
-        the original class over copies of what ``param_groups`` hold (the FP32 masters), not
-        bound to any model, as a copy of an initialized model is not bound either."""
+        the original class over copies of its parameters, not bound to any model, as a copy of
+        an initialized model is not bound either.  With master weights (O2/O5) it is refused:
+        the copy would update copies of the masters, which no copy of the model follows."""
+        binding = binding_of(self)
+        if binding is not None and binding.flow.masters is not None and any(
+                model is not master for model, master in binding.flow.pairs()):
+            raise TypeError(
+                f"an optimizer that ampinit.initialize gave FP32 master weights (opt_level "
+                f"{binding.handle.config.opt_level!r}) cannot be copied or pickled: a copy would train copies of the "
+                "masters that no copy of the model follows.  Save optimizer.state_dict() and ampinit.state_dict() "
+                "(and the model's state_dict) instead, or copy the optimizer before initialize or after ampinit.end")
         reduced = super().__reduce_ex__(protocol)
         if not isinstance(reduced, tuple):
             return reduced
@@ -212,6 +221,11 @@ class MasterKeyedState(collections.defaultdict):
     def __or__(self, other: Any) -> collections.defaultdict:
         merged = self.copy()
         merged.update(other)
+        return merged
+
+    def __ror__(self, other: Any) -> collections.defaultdict:
+        merged = collections.defaultdict(self.default_factory, other)
+        merged.update(dict.items(self))
         return merged
 
     def __reduce__(self) -> tuple:

@@ -414,9 +414,44 @@ def test_the_refusal_names_a_way_out_when_the_first_model_is_gone():
     gc.collect()
     model = nn.Sequential(encoder, nn.Linear(4, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match=r"ampinit.end\(shared_module\)"):
+    with pytest.raises(RuntimeError, match=r"ampinit.end\(earlier_model\) \(a module of it will do\)"):
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert amp.handle_of(encoder).config.opt_level == "O2"
     amp.end(encoder)
     assert encoder.weight.dtype == torch.float32
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+
+def test_a_teacher_the_student_trains_is_refused():
+    """From the review: the student's optimizer holding the teacher's parameters (an O2 teacher
+    initialized without an optimizer) trained them on its own masters; ending the student and then
+    the teacher wrote the teacher's stale masters back (0.209 of training lost, silently)."""
+    teacher = amp.initialize(nn.Linear(4, 4), opt_level="O2", verbosity=0)
+    student = nn.Sequential(nn.Linear(4, 4), teacher)
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    with pytest.raises(RuntimeError, match="do not train it"):
+        amp.initialize(student, opt, opt_level="O2", verbosity=0)
+    assert type(opt) is torch.optim.SGD and student[0].weight.dtype == torch.float32
+
+
+def test_a_weight_tied_through_several_initializations_keeps_every_owner():
+    """From the review: the mark held one initialization, so a later one without an optimizer
+    (or an ended one) hid the owner with an optimizer; and parameters given by add_param_group
+    to a module added later were never marked."""
+    a = nn.Linear(4, 4)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    amp.initialize(a, opt_a, opt_level="O1", verbosity=0)
+    b = nn.Linear(4, 4)
+    b.weight = a.weight
+    amp.initialize(b, opt_level="O1", verbosity=0)  # no optimizer, O1: allowed
+    amp.end(b)
+    c = nn.Linear(4, 4)
+    c.weight = a.weight
+    with pytest.raises(RuntimeError, match="shares its parameter 'weight'"):
+        amp.initialize(c, torch.optim.SGD(c.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    head = nn.Linear(4, 2)
+    opt_a.add_param_group({"params": list(head.parameters())})
+    with pytest.raises(RuntimeError, match="shares its parameter"):
+        amp.initialize(nn.Sequential(head), torch.optim.SGD(head.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.end(a)
+    assert "_ampinit_held_by" not in head.weight.__dict__ and "_ampinit_held_by" not in a.weight.__dict__

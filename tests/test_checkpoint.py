@@ -230,15 +230,25 @@ def test_a_module_made_after_initialize_and_shared_under_two_names_saves_fp32_un
         assert state[key].dtype == torch.float32 and torch.equal(state[key], master), key
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def _copy_of(obj, how):
+    import copy as copy_module
+    import io
+    if how == "deepcopy":
+        return copy_module.deepcopy(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O4"])
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
 def test_a_copied_initialized_optimizer_is_a_plain_one_over_copies(opt_level, how):
     """From the review: ``torch.save(optimizer)`` after initialize raised PicklingError (the
     per-class subclass borrows its base's name), and ``copy.deepcopy(optimizer).step()`` recursed
-    forever.  A copy is the base class's optimizer over copies of param_groups' tensors (the FP32
-    masters at O2/O5), unbound, as a copied model is; it steps like torch's from that state."""
-    import copy as copy_module
-    import io
+    forever.  Without masters a copy is the base class's optimizer over copies of the parameters,
+    unbound, as a copied model is; copied together with the model, it trains the copied model,
+    as in plain torch.  Reference: torch's optimizer loaded with the same state."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -246,14 +256,9 @@ def test_a_copied_initialized_optimizer_is_a_plain_one_over_copies(opt_level, ho
     with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
-    if how == "deepcopy":
-        copied = copy_module.deepcopy(opt)
-    else:
-        buffer = io.BytesIO()
-        torch.save(opt, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+    copied_model, copied = _copy_of((model, opt), how)
     assert type(copied) is torch.optim.Adam and type(copied.state) is collections.defaultdict
+    assert all(a is b for a, b in zip(copied.param_groups[0]["params"], copied_model.parameters()))
     twin = torch.optim.Adam([p.detach().clone().requires_grad_() for p in opt.param_groups[0]["params"]], lr=0.1)
     twin.load_state_dict(opt.state_dict())
     for a, b in zip(copied.param_groups[0]["params"], twin.param_groups[0]["params"]):
@@ -263,3 +268,19 @@ def test_a_copied_initialized_optimizer_is_a_plain_one_over_copies(opt_level, ho
     twin.step()
     assert all(torch.equal(a, b) for a, b in zip(copied.param_groups[0]["params"], twin.param_groups[0]["params"]))
     assert amp.handle_of(opt).optimizers == [opt]  # the original is still bound
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_copying_an_optimizer_with_masters_is_refused(opt_level, how):
+    """From the review: a copy of (model, optimizer) at O2/O5 trained copies of the masters that
+    the copied model never saw: its step changed the model by 0.0, silently.  Refused, naming the
+    state dicts to save instead; the original keeps training."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\) and ampinit.state_dict\(\)"):
+        _copy_of((model, opt), how)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
