@@ -705,12 +705,7 @@ def test_optimizer_state_reached_through_the_model_parameters(opt_level, reset):
         for step in range(12):
             sign = 1.0 if step < 6 else -1.0  # the objective flips when the layer is reset
             opt.zero_grad()
-            loss = sign * model(x).float().mean()
-            if level is None:
-                loss.backward()
-            else:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
+            amp_backward(sign * model(x).float().mean(), opt, level)
             opt.step()
             if step == 5:
                 weight = model[2].weight
@@ -790,12 +785,8 @@ def test_an_optimizer_with_a_state_of_its_own_kind_keeps_it():
             assert type(opt.state) is dict
         for step in range(4):
             opt.zero_grad()
-            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).float().mean()
-            if level:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
+            amp_backward(model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).float().mean(), opt,
+                         level)
             opt.step()
         results.append([p.detach().float() for p in model.parameters()])
     for got, want in zip(results[1], results[0]):
