@@ -385,7 +385,10 @@ class FusedAdam(_FusedOptimizer):
         if "adam_w_mode" not in self.__dict__ and "adam_w_mode" not in state:  # pickled without it
             state = {**state, "adam_w_mode": bool(state["defaults"].get("decoupled_weight_decay", True))}
         super().__setstate__(state)
-        self.__dict__.setdefault("state_dtype", None)
+        if "state_dtype" not in self.__dict__:  # pickled without it: bfloat16 moments of FP32 params tell
+            self.state_dtype = torch.bfloat16 if any(
+                isinstance(entry.get("exp_avg"), torch.Tensor) and entry["exp_avg"].dtype == torch.bfloat16
+                and param.dtype == torch.float32 for param, entry in self.state.items()) else None
         self.__dict__.setdefault("set_grad_none", True)
 
     def _check_loaded_group(self, index: int, group: dict) -> None:

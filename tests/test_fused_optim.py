@@ -712,3 +712,18 @@ def test_a_copied_optimizer_continues_as_the_original(make, how):
     opt.zero_grad()
     copied.zero_grad()
     assert [p.grad is None for p in params] == [t.grad is None for t in twins]
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_a_fused_adam_pickled_before_its_settings_were_kept_loads_them_back(state_dtype):
+    """Pickles made before ``__getstate__`` kept ``adam_w_mode``/``state_dtype`` raised
+    AttributeError on load; ``adam_w_mode`` comes from the groups, and bfloat16 moments of FP32
+    params give ``state_dtype`` back (else the next steps would hold them in FP32)."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    opt = FusedAdam(params, lr=0.1, adam_w_mode=False, state_dtype=state_dtype)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    old = {k: v for k, v in opt.__getstate__().items() if k not in FusedAdam._SETTINGS}
+    loaded = FusedAdam.__new__(FusedAdam)
+    loaded.__setstate__(old)
+    assert (loaded.adam_w_mode, loaded.state_dtype) == (False, state_dtype)
