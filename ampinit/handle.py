@@ -330,6 +330,8 @@ class AmpHandle:
                                 self.param_name)
             binding = OptimizerBinding(self, opt, flow, index)
             self._install_masters(opt)
+            if self.masters is None:
+                self._state_follows_params(opt, original)
             self._optimizer_hooks[id(opt)] = amp_optimizer.attach(opt, binding)
             self._bindings.append(binding)
         left = self.masters.without_remainders if self.masters is not None else []
@@ -341,6 +343,15 @@ class AmpHandle:
             self._hooks.extend(self._install_state_dict_hooks(model, original))
             model.__dict__[_MODEL_ATTR] = self._link
             _mark_parameters(model.parameters(), self._link)
+
+    @staticmethod
+    def _state_follows_params(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tensor]) -> None:
+        """The optimizer state of ``tensors`` it updates directly (no masters: O3) takes their
+        dtype now, as torch's ``load_state_dict`` gives state its parameter's: state that existed
+        before ``initialize`` (a checkpoint loaded first) stayed FP32 next to fp16 parameters,
+        and Adam's step failed on the mix; at ``end`` the fp16 state met FP32 parameters."""
+        held = {p for group in optimizer.param_groups for p in group["params"]}
+        _remap_state(optimizer, {t: t for t in tensors if t in held}, None)
 
     def _install_masters(self, optimizer: torch.optim.Optimizer) -> None:
         """Put masters into ``param_groups`` and move existing optimizer state onto them."""
@@ -723,6 +734,10 @@ class AmpHandle:
                         tensor.data = tensor.data.to(dtype)
                     if isinstance(tensor, nn.Parameter) and tensor.grad is not None and tensor.grad.dtype != dtype:
                         tensor.grad = tensor.grad.to(dtype)
+        if self.masters is None:
+            for binding in self._bindings:
+                self._state_follows_params(binding.optimizer,
+                                           [t for casting in self._castings for t in casting.original_dtypes])
         for model in self.models:
             if model.__dict__.get(_MODEL_ATTR) is self._link:
                 del model.__dict__[_MODEL_ATTR]

@@ -284,3 +284,43 @@ def test_copying_an_optimizer_with_masters_is_refused(opt_level, how):
     with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4),
+                                  lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)], ids=["adam", "sgd"])
+def test_o3_resume_with_the_optimizer_state_loaded_before_initialize(make):
+    """DeepLearningExamples' order: model and optimizer state loaded, then initialize.  At O3 the
+    state stayed FP32 next to the fp16 parameters: Adam's step raised torch's bare dtype error,
+    SGD's momentum resumed 1.5e-3 off.  Reference: the uninterrupted O3 run, bit for bit; after
+    ampinit.end the state follows the parameters back to FP32."""
+    def batches(start, stop):
+        return [torch.randn(8, 4, generator=torch.Generator().manual_seed(s)) for s in range(start, stop)]
+
+    def train(model, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            with amp.scale_loss(model(x.half()).float().square().mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = make(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O3", loss_scale=128.0, verbosity=0)
+    train(model, opt, batches(0, 3))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train(model, opt, batches(3, 6))
+
+    torch.manual_seed(1)
+    resumed = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    resumed_opt = make(resumed.parameters())
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])  # before initialize: torch casts the state to FP32 here
+    resumed, resumed_opt = amp.initialize(resumed, resumed_opt, opt_level="O3", loss_scale=128.0, verbosity=0)
+    train(resumed, resumed_opt, batches(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    amp.end(resumed)
+    resumed(torch.randn(2, 4)).sum().backward()
+    resumed_opt.step()
+    assert all(v.dtype == torch.float32 for entry in resumed_opt.state.values() for k, v in entry.items()
+               if torch.is_tensor(v) and k != "step")
