@@ -35,7 +35,7 @@ __all__ = ["AmpHandle", "handle_of_model", "handle_holding", "handles_holding_pa
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
-_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: the _HandleLinks
+_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _ParamMarks
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
@@ -77,26 +77,48 @@ def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
     return None
 
 
+class _ParamMark:
+    """A parameter's reference to an initialization that holds it.  Weak: a parameter that C++
+    holds too (DDP's reducer, FSDP) must close no reference cycle through the handle, which would
+    then live until the interpreter's shutdown, process group and all.  A copy is dead."""
+
+    def __init__(self, link: Optional[_HandleLink] = None):
+        self._ref = None if link is None else weakref.ref(link)
+
+    @property
+    def link(self) -> Optional[_HandleLink]:
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self):
+        return (_ParamMark, ())
+
+    def __deepcopy__(self, memo: dict) -> "_ParamMark":
+        return _ParamMark()
+
+    def __copy__(self) -> "_ParamMark":
+        return _ParamMark()
+
+
 def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     """The live initializations whose models or optimizers hold ``param`` (a weight tied into
     another model is found here, where its module is not)."""
-    links = param.__dict__.get(_PARAM_ATTR, ())
-    return [link.handle for link in links if isinstance(link, _HandleLink) and link.handle is not None]
+    links = [mark.link for mark in param.__dict__.get(_PARAM_ATTR, ()) if isinstance(mark, _ParamMark)]
+    return [link.handle for link in links if link is not None and link.handle is not None]
 
 
 def _mark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
     for param in params:
-        links = param.__dict__.setdefault(_PARAM_ATTR, [])
-        if all(existing is not link for existing in links):
-            links.append(link)
+        marks = param.__dict__.setdefault(_PARAM_ATTR, [])
+        if all(mark.link is not link for mark in marks):
+            marks.append(_ParamMark(link))
 
 
 def _unmark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
     for param in params:
-        links = param.__dict__.get(_PARAM_ATTR)
-        if links is not None:
-            links[:] = [existing for existing in links if existing is not link]
-            if not links:
+        marks = param.__dict__.get(_PARAM_ATTR)
+        if marks is not None:
+            marks[:] = [mark for mark in marks if mark.link is not link and mark.link is not None]
+            if not marks:
                 del param.__dict__[_PARAM_ATTR]
 
 
