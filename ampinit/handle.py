@@ -42,21 +42,26 @@ DEFAULT_MAX_SKIPS_AT_FLOOR = 16
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class _HandleLink:
+class _DeadWhenCopied:
+    """A reference to an initialization that a copy (``copy``, ``deepcopy``, pickling) of its
+    holder does not share: the copy gets an empty one of the same class."""
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo: dict) -> "_DeadWhenCopied":
+        return type(self)()
+
+    def __copy__(self) -> "_DeadWhenCopied":
+        return type(self)()
+
+
+class _HandleLink(_DeadWhenCopied):
     """The model's reference to its handle.  A copy or an unpickled model gets a dead link:
     it is not initialized, and its copy does not hold the optimizer."""
 
     def __init__(self, handle: Optional["AmpHandle"] = None):
         self.handle = handle
-
-    def __reduce__(self):
-        return (_HandleLink, ())
-
-    def __deepcopy__(self, memo: dict) -> "_HandleLink":
-        return _HandleLink()
-
-    def __copy__(self) -> "_HandleLink":
-        return _HandleLink()
 
 
 def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
@@ -77,7 +82,7 @@ def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
     return None
 
 
-class _ParamMark:
+class _ParamMark(_DeadWhenCopied):
     """A parameter's reference to an initialization that holds it.  Weak: a parameter that C++
     holds too (DDP's reducer, FSDP) must close no reference cycle through the handle, which would
     then live until the interpreter's shutdown, process group and all.  A copy is dead."""
@@ -88,15 +93,6 @@ class _ParamMark:
     @property
     def link(self) -> Optional[_HandleLink]:
         return None if self._ref is None else self._ref()
-
-    def __reduce__(self):
-        return (_ParamMark, ())
-
-    def __deepcopy__(self, memo: dict) -> "_ParamMark":
-        return _ParamMark()
-
-    def __copy__(self) -> "_ParamMark":
-        return _ParamMark()
 
 
 def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
