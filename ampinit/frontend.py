@@ -14,7 +14,7 @@ import contextlib
 import logging
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -128,18 +128,19 @@ def _check_nothing_shared_with_another_initialization(model: nn.Module, trained:
     def keeps_copies(of: AmpConfig) -> bool:
         return of.casts_model or bool(of.master_weights)
 
-    def conflicts(other: AmpHandle, params: List[torch.Tensor]) -> bool:
+    def conflicts(other: AmpHandle, params: Iterable[torch.Tensor]) -> bool:
         if not (keeps_copies(config) or keeps_copies(other.config)):
             return False
         return bool(other.optimizers) or any(id(p) in trained for p in params)
 
-    shared = [(f"its submodule {name!r}" if name else "it", [handle_holding(module)], list(module.parameters()))
+    # a module's parameters are listed only where another initialization holds it
+    shared = [(f"its submodule {name!r}" if name else "it", [handle_holding(module)], module.parameters)
               for name, module in model.named_modules()]
-    shared += [(f"its parameter {name!r}", handles_holding_parameter(param), [param])
+    shared += [(f"its parameter {name!r}", handles_holding_parameter(param), lambda param=param: [param])
                for name, param in model.named_parameters()]
     for what, others, params in shared:
         for other in others:
-            if other is not None and conflicts(other, params):
+            if other is not None and conflicts(other, params()):
                 raise RuntimeError(
                     f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
                     f"{other.config.opt_level!r}) set up and has not ended: initialize them in one call, "
