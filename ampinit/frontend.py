@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, handle_holding, handle_of_model, handles_holding_parameter
+from .handle import AmpHandle, handle_of_model, handles_holding, handles_holding_parameter
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
@@ -134,7 +134,7 @@ def _check_nothing_shared_with_another_initialization(model: nn.Module, trained:
         return bool(other.optimizers) or any(id(p) in trained for p in params)
 
     # a module's parameters are listed only where another initialization holds it
-    shared = [(f"its submodule {name!r}" if name else "it", [handle_holding(module)], module.parameters)
+    shared = [(f"its submodule {name!r}" if name else "it", handles_holding(module), module.parameters)
               for name, module in model.named_modules()]
     shared += [(f"its parameter {name!r}", handles_holding_parameter(param), lambda param=param: [param])
                for name, param in model.named_parameters()]
@@ -350,9 +350,13 @@ def handle_of(obj: Any = None) -> AmpHandle:
         if binding is not None:
             return binding.handle
     elif isinstance(obj, nn.Module):
-        handle = handle_holding(obj)  # the model, or any module of it
-        if handle is not None:
-            return handle
+        holding = handles_holding(obj)  # the model, or any module of it
+        if len(holding) > 1 and handle_of_model(obj) is None:
+            raise RuntimeError(
+                f"this {type(obj).__name__} belongs to {len(holding)} live ampinit initializations (a module "
+                "shared by models initialized separately): pass the model or the optimizer of the one you mean")
+        if holding:
+            return holding[0]
     else:
         raise TypeError(f"handle_of takes a model, an optimizer, an AmpHandle or None; got "
                         f"{type(obj).__name__}")

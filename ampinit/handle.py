@@ -31,7 +31,7 @@ from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model", "handle_holding", "handles_holding_parameter"]
+__all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_parameter"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
@@ -69,17 +69,17 @@ def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
     return link.handle if isinstance(link, _HandleLink) else None
 
 
-def handle_holding(module: nn.Module) -> Optional["AmpHandle"]:
-    """The live initialization ``module`` belongs to: as the model itself, or as one of the
-    modules of its model, which all carry its ``_RefuseAssign`` hook."""
-    handle = handle_of_model(module)
-    if handle is not None:
-        return handle
+def handles_holding(module: nn.Module) -> List["AmpHandle"]:
+    """The live initializations ``module`` belongs to: as the model itself (first), or as one of
+    the modules of their models, which all carry their ``_RefuseAssign`` hooks.  Several only
+    where a module is shared by initializations that may share it (O0/O1/O4, or a frozen teacher)."""
+    own = handle_of_model(module)
+    found = [] if own is None else [own]
     for hook in module._load_state_dict_pre_hooks.values():
         hook = getattr(hook, "hook", hook)  # torch wraps hooks registered with_module
-        if isinstance(hook, _RefuseAssign) and hook.link.handle is not None:
-            return hook.link.handle
-    return None
+        if isinstance(hook, _RefuseAssign) and hook.link.handle is not None and hook.link.handle not in found:
+            found.append(hook.link.handle)
+    return found
 
 
 class _ParamMark(_DeadWhenCopied):

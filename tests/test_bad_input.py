@@ -422,6 +422,25 @@ def test_the_refusal_names_a_way_out_when_the_first_model_is_gone():
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
 
 
+def test_a_module_shared_by_two_live_initializations_names_neither_alone():
+    """amp.end(shared) with two O1 initializations sharing the module ended whichever was made
+    first, silently leaving the other's user with an un-initialized model.  It now asks which."""
+    shared = nn.Linear(4, 4)
+    first, second = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    opt_1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    amp.initialize(first, opt_1, opt_level="O1", verbosity=0)
+    amp.initialize(second, opt_2, opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="belongs to 2 live ampinit initializations.*pass the model"):
+        amp.end(shared)
+    assert amp.handle_of(first) is opt_1.amp and amp.handle_of(second) is opt_2.amp  # both still live
+    amp.end(second)
+    assert amp.handle_of(shared) is opt_1.amp  # one left: no doubt
+    amp.end(shared)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        amp.handle_of(first)
+
+
 def test_a_teacher_the_student_trains_is_refused():
     """From the review: the student's optimizer holding the teacher's parameters (an O2 teacher
     initialized without an optimizer) trained them on its own masters; ending the student and then
