@@ -96,6 +96,8 @@ class OptimizerBinding:
         flow = self.flow
         self._check_not_inside_scale_loss()
         flow.check_foreign_grads("optimizer.step()")
+        if flow.masters is not None:
+            self.handle.put_masters_back(self.optimizer)
         flow.check_ready_for_step()
         if flow.masters is not None:
             flow.masters.sync(flow.models())
@@ -123,11 +125,13 @@ class OptimizerBinding:
         scaler = flow.active_scaler
         if flow.masters is None and not scaler.dynamic and scaler.loss_scale() == 1.0:
             return
+        scaled = scaler.dynamic or scaler.loss_scale() != 1.0  # a sync, on the way to an error only
+        not_final = " and ".join((["still multiplied by the loss scale"] if scaled else []) +
+                                 ([] if flow.masters is None else ["not yet in the FP32 master weights"]))
         raise RuntimeError(
             "optimizer.step() ran inside `with ampinit.scale_loss(loss, optimizer) as scaled_loss:` (in the block, "
             "or in a hook run by scaled_loss.backward(), such as a register_post_accumulate_grad_hook that steps "
-            "the optimizer): there the gradients are still multiplied by the loss scale"
-            f"{'' if flow.masters is None else ' and not yet in the FP32 master weights'}, so the update would be "
+            f"the optimizer): there the gradients are {not_final}, so the update would be "
             "wrong.  Call optimizer.step() after the with block.  An optimizer stepped during the backward needs "
             "gradients that are final when each is produced, which loss scaling cannot give: use opt_level='O4' "
             "(bf16 autocast, no loss scale) for it")

@@ -357,8 +357,16 @@ class AmpHandle:
             names = ", ".join(self.param_name(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
             self.log(1, f"ampinit: master_weights='remainder': {len(left)} bfloat16 parameter(s) are not "
                         f"contiguous (channels_last?) and keep 4-byte FP32 masters instead: {names}", logging.WARNING)
+        # model.state_dict() reports (and load_state_dict() loads) the FP32 value of every tensor
+        # with a master: the cast ones in their original dtypes, the low-precision parameters the
+        # user made (cast_model_type=False, a model cast before initialize) and those that
+        # add_param_group brings later in FP32, their masters' dtype
+        self._reported = dict(original)
+        if self.masters is not None:
+            for tensor in self.masters.tensors():
+                self._reported.setdefault(tensor, torch.float32)
         for model in self.models:
-            self._hooks.extend(self._install_state_dict_hooks(model, original))
+            self._hooks.extend(self._install_state_dict_hooks(model, self._reported))
             model.__dict__[_MODEL_ATTR] = self._link
             _mark_parameters(model.parameters(), self._link)
 
@@ -469,6 +477,9 @@ class AmpHandle:
         scaler = self.loss_scalers[self._check_loss_id(loss_id)]
         if self.masters is not None and self.masters.has_remainders:
             self.masters.check_remainder_layout()  # before the backward: the step could not update them
+        if self.masters is not None:
+            for binding in bindings:
+                self.put_masters_back(binding.optimizer)
         flows = [binding.flow for binding in bindings]
         for flow in flows:
             if flow.in_scale_loss:
@@ -587,8 +598,35 @@ class AmpHandle:
             for param in new:
                 self.masters.release(param)
             raise
+        for param in new:
+            self._reported.setdefault(param, torch.float32)  # see _apply
         _mark_parameters(params, self._link)  # a module added to the model since is held too
         self._added_params.extend(params)
+
+    def put_masters_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give a param group rebuilt by hand from the model's 16-bit parameters its masters back
+        (``group["params"] = list(model.layer.parameters())``, a common way to unfreeze).  Stepped
+        as they are, those parameters would train in fp16/bf16 with no master, and most small
+        updates would round away; as in ``add_param_group``, each gets its FP32 master, optimizer
+        state included.  A walk over the parameters' dtypes, at each ``scale_loss`` and ``step()``."""
+        masters = self.masters
+        strays = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.dtype in _LOW_PRECISION and not masters.stepped_in_place(p)]
+        if not strays:
+            return
+        masters.check_no_overlap([p for p in strays if p not in masters])  # before any master is made
+        mapping = {}
+        for param in strays:
+            master = masters.master_param(param)
+            mapping[param] = masters.take(param) if master is None else master
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(p, p) for p in group["params"]]
+        _remap_state(optimizer, {p: m for p, m in mapping.items() if m is not p}, torch.float32)
+        self._reported.update((p, torch.float32) for p in strays if p not in self._reported)
+        logger.warning("ampinit: %s.param_groups held %d 16-bit model parameter(s) (%s%s), put there after "
+                       "initialize: they train through their FP32 masters instead, which take their places",
+                       type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
+                       ", ..." if len(strays) > 3 else "")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,

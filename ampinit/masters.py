@@ -473,6 +473,11 @@ class MasterWeights:
         self._updated.add(param)
         return master
 
+    def stepped_in_place(self, param: torch.Tensor) -> bool:
+        """Whether an optimizer updates the low-precision ``param`` itself, legitimately: a
+        bfloat16 weight whose master is kept as remainders."""
+        return param in self._remainders and param in self._updated
+
     def check_no_overlap(self, params: List[torch.Tensor]) -> None:
         """Parameters added later must not share memory with one ampinit keeps a master for, or
         with each other: both masters would be copied into that memory at every step, in an

@@ -324,3 +324,61 @@ def test_o3_resume_with_the_optimizer_state_loaded_before_initialize(make):
     resumed_opt.step()
     assert all(v.dtype == torch.float32 for entry in resumed_opt.state.values() for k, v in entry.items()
                if torch.is_tensor(v) and k != "step")
+
+
+def _masters_outside_the_cast(level, how):
+    """A model with parameters that have FP32 masters ampinit did not make at the cast: a head
+    added after initialize (cast, then add_param_group, as the README says), or a model the user
+    cast before initialize."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    low = torch.float16 if level == "O2" else torch.bfloat16
+    if how == "user_cast":
+        model.to(low)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    if how == "added_head":
+        torch.manual_seed(9)
+        model.add_module("extra", nn.Linear(4, 4).to(low))
+        opt.add_param_group({"params": model.extra.parameters()})
+    return model, opt
+
+
+def _train_masters_outside(model, opt, steps):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
+    for _ in range(steps):
+        loss = ((model(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["added_head", "user_cast"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_masters_ampinit_did_not_cast_are_in_the_state_dict_and_resume_bit_for_bit(level, how):
+    """From a review: model.state_dict() reported these parameters' 16-bit values, so a
+    checkpoint lost their masters' low bits, resume drifted from the uninterrupted run (2e-4 at
+    O2, 2e-3 at O5), and load_state_dict left the masters at their old values."""
+    model, opt = _masters_outside_the_cast(level, how)
+    _train_masters_outside(model, opt, 20)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+    masters = [p for group in opt.param_groups for p in group["params"]]
+    names = ["extra.weight", "extra.bias"] if how == "added_head" else ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for name in names:
+        master = opt.amp._master_of(model.get_parameter(name))
+        assert saved["model"][name].dtype == torch.float32 and torch.equal(saved["model"][name], master), name
+    _train_masters_outside(model, opt, 10)
+
+    resumed, resumed_opt = _masters_outside_the_cast(level, how)
+    resumed.load_state_dict(saved["model"])
+    for name in names:  # loaded into the masters, not only into the 16-bit model
+        assert torch.equal(resumed_opt.amp._master_of(resumed.get_parameter(name)), saved["model"][name]), name
+    resumed_opt.load_state_dict(saved["opt"])
+    amp.load_state_dict(saved["amp"])
+    _train_masters_outside(resumed, resumed_opt, 10)
+    for a, b in zip(masters, [p for group in resumed_opt.param_groups for p in group["params"]]):
+        assert torch.equal(a, b)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name

@@ -557,8 +557,11 @@ def _step_inside_scale_loss(level, in_hook):
 def test_a_step_inside_scale_loss_is_refused_where_gradients_are_not_final(level, in_hook):
     """Stepping in the with-block, or from a hook the backward runs, updates with gradients still
     multiplied by the loss scale (O1 stepped 65536x too far, then NaN) or not yet in the masters."""
-    with pytest.raises(RuntimeError, match="inside `with ampinit.scale_loss.*after the with block"):
+    with pytest.raises(RuntimeError, match="inside `with ampinit.scale_loss.*after the with block") as raised:
         _step_inside_scale_loss(level, in_hook)
+    # each reason only where it holds: O5's static scale is 1, O1 has no masters
+    assert ("multiplied by the loss scale" in str(raised.value)) == (level != "O5")
+    assert ("not yet in the FP32 master weights" in str(raised.value)) == (level != "O1")
 
 
 @pytest.mark.parametrize("in_hook", [False, True], ids=["in_block", "in_backward_hook"])
@@ -791,3 +794,44 @@ def test_an_optimizer_with_a_state_of_its_own_kind_keeps_it():
         results.append([p.detach().float() for p in model.parameters()])
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=0.0, atol=2e-3)
+
+
+def _rebuild_groups_run(level, make_opt, edit, steps=12):
+    """Two groups (layer 0, layer 2); ``edit`` rebuilds the first from the model's parameters,
+    ``"before"`` scale_loss or ``"between"`` it and step(), at step 3 (or never: None)."""
+    model = mlp(0)
+    opt = make_opt([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.02}])
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    for step in range(steps):
+        x, y = batch(step, n=16)
+        if step == 3 and edit == "before":
+            opt.param_groups[0]["params"] = [p for p in model[0].parameters() if p.requires_grad]
+        loss = ((model(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if step == 3 and edit == "between":
+            opt.param_groups[0]["params"] = list(model[0].parameters())
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("edit", ["before", "between"])
+@pytest.mark.parametrize("make_opt", [lambda g: torch.optim.SGD(g, lr=2e-3, momentum=0.9),
+                                      lambda g: torch.optim.Adam(g, lr=1e-3)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_param_group_rebuilt_from_the_model_trains_through_its_masters(level, make_opt, edit, caplog):
+    """From a review: ``group["params"] = list(model[0].parameters())`` after initialize put the
+    16-bit model parameters in the optimizer, which then stepped them with no master (80 % of
+    the weights never moved at O2, 100 % at O5, against none in FP32), silently.  They take
+    their masters' places back, state included: the run equals the one without the edit."""
+    with caplog.at_level("WARNING", logger="ampinit"):
+        model, opt = _rebuild_groups_run(level, make_opt, edit)
+    plain_model, plain_opt = _rebuild_groups_run(level, make_opt, None)
+    for group, plain in zip(opt.param_groups, plain_opt.param_groups):
+        for master, plain_master in zip(group["params"], plain["params"]):
+            assert master.dtype == torch.float32 and torch.equal(master, plain_master)
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p, q)
+    assert "held 2 16-bit model parameter(s) (0.weight, 0.bias)" in caplog.text
+    assert torch.equal(model.state_dict()["0.weight"], plain_model.state_dict()["0.weight"])
