@@ -159,6 +159,8 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
     ``per_tensor_found_inf[i]`` for the tensors that held one, when given).  ``outputs[i]`` may
     be ``inputs[i]``.  No sync."""
     _check_flags_device("unscale_", inputs, inv_scale, found_inf, per_tensor_found_inf)
+    if not inputs and not outputs:  # the kernels launch nothing for no rows
+        return
     kernels, inputs, outputs = _route_pairs("unscale_", found_inf.device, inputs, outputs)
     if kernels:
         torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
@@ -174,6 +176,8 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
     outputs was flagged for that loss, and is not again).  Used when a second loss (or a second
     backward before ``step``) adds to gradients that are already unscaled.  No sync."""
     _check_flags_device("accumulate_unscaled_", inputs, inv_scale, found_inf)
+    if not inputs and not outputs:  # the kernels launch nothing for no rows
+        return
     kernels, inputs, outputs = _route_pairs("accumulate_unscaled_", found_inf.device, inputs, outputs)
     if kernels:
         torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
@@ -185,6 +189,8 @@ def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
                   per_tensor_found_inf: Optional[torch.Tensor] = None) -> None:
     """Set ``found_inf`` if any input holds inf/NaN; read-only on the inputs.  No sync."""
     _check_flags_device("check_finite_", inputs, found_inf, per_tensor_found_inf)
+    if not inputs:
+        return
     kernels, inputs = _route("check_finite_", found_inf.device, inputs)
     if kernels:
         torch.ops.ampinit.check_finite_(list(inputs), found_inf, per_tensor_found_inf)

@@ -44,6 +44,28 @@ def test_unscale_kernel_equals_single_rounding_reference(in_dtype, out_dtype, de
     assert found.item() == 1.0 and per.tolist() == [0] * 6 + [1, 1]
 
 
+@pytest.mark.parametrize("out_weight", [0.9, 0.999, 3.0])
+@pytest.mark.parametrize("in_dtype, out_dtype", [(torch.float16, torch.float32), (torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+def test_accumulate_kernel_rounds_the_product_apart_like_the_fallback(in_dtype, out_dtype, out_weight, device):
+    """From a review: ``acc * out_weight + contribution`` was contracted into one FMA (GCC with
+    -mfma, nvcc), where the fallback rounds the product first: a quarter of the elements one ulp
+    off for out_weight 0.9.  Weights of 0.5 and 1, the only ones tested before, are exact."""
+    _kernels_for(device)
+    inputs = _data(in_dtype, device, 11)
+    inputs[5][7] = float("inf")
+    outputs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(out_dtype).to(device)
+               for x in inputs]
+    reference = [o.clone() for o in outputs]
+    found, expected_found = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    inv = torch.full((1,), 3.0e-3, device=device)
+    torch.ops.ampinit.accumulate_(inputs, outputs, inv, found, out_weight)
+    _fallback.accumulate_unscaled_(inputs, reference, inv, expected_found, out_weight)
+    assert found.item() == expected_found.item() == 1.0
+    for out, ref in zip(outputs, reference):
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
+
+
 def test_in_place_and_mixed_dtypes_in_one_call(device):
     _kernels_for(device)
     inputs = _data(torch.float16, device, 2, [5, 70000]) + _data(torch.bfloat16, device, 3, [9]) + \

@@ -43,6 +43,7 @@ void with_type(c10::ScalarType type, const Fn& fn) {
 // one dtype per list, is found without allocating per row.
 inline std::vector<std::vector<size_t>> group_by_dtypes(const std::vector<std::vector<at::Tensor>>& lists) {
   const size_t rows = lists.empty() ? 0 : lists[0].size();
+  if (rows == 0) return {};  // empty lists: nothing to launch (callers read sub[0][0] per group)
   bool uniform = true;
   for (const auto& list : lists) {
     for (size_t i = 1; i < rows && uniform; ++i) uniform = list[i].scalar_type() == list[0].scalar_type();

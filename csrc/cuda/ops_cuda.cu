@@ -105,7 +105,8 @@ struct AccumulateFunctor {
             if (k < count) {
               const float contribution = v[u][k] * inv;
               const bool was_finite = isfinite(acc[u][k]);
-              acc[u][k] = acc[u][k] * out_weight + contribution;
+              // rounded apart, as the fallback's two ops: nvcc would contract them into one FMA
+              acc[u][k] = __fadd_rn(__fmul_rn(acc[u][k], out_weight), contribution);
               bad |= !isfinite(contribution) || (was_finite && stores_nonfinite<Out>(acc[u][k]));
             }
           }
