@@ -289,6 +289,9 @@ class AmpHandle:
         self.models = list(models)
         self.optimizers = list(optimizers)
         self._added_params: List[torch.Tensor] = []  # by add_param_group: marked as held (see end)
+        # apex's FP16_Optimizer advanced its scale once per step(), from every backward since the
+        # last one; amp (and ampinit) at every unscale.  See update_scale_at_step.
+        self.scale_updates_at_step = False
         self.ended = False
         self._bindings: List[OptimizerBinding] = []
         self._hooks: list = []
@@ -554,7 +557,18 @@ class AmpHandle:
         for binding in bindings:
             torch.maximum(binding.flow.found_inf, scaler.found_inf, out=binding.flow.found_inf)
             binding.loss_ids_since_step.add(loss_id)
-        scaler.update()
+        if not self.scale_updates_at_step:
+            scaler.update()
+
+    def update_scale_at_step(self, binding: OptimizerBinding) -> None:
+        """With ``scale_updates_at_step``: advance each scale the step's backwards used, once,
+        from the step's overflow flag (apex's ``FP16_Optimizer.step()``).  No host sync."""
+        if not binding.flow.unscaled_since_step:
+            return
+        for loss_id in sorted(binding.loss_ids_since_step):
+            scaler = self.loss_scalers[loss_id]
+            scaler.found_inf.copy_(binding.flow.found_inf)
+            scaler.update()
 
     def unscale_delayed(self, bindings: Sequence[OptimizerBinding]) -> None:
         """Unscale gradients that ``delay_unscale=True`` backwards left scaled, without another

@@ -11,6 +11,7 @@ rejects contradictory combinations with an error that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Optional, Union
 
@@ -19,6 +20,8 @@ import torch
 from .scaler import DEFAULT_MIN_LOSS_SCALE
 
 __all__ = ["AmpConfig", "OPT_LEVELS", "resolve_config"]
+
+logger = logging.getLogger("ampinit")
 
 LossScale = Union[float, str]
 
@@ -263,6 +266,13 @@ def resolve_config(opt_level: Any = "O1", *, enabled: Any = True, cast_model_typ
     config = AmpConfig(opt_level=level, enabled=enabled, num_losses=num_losses, verbosity=verbosity,
                        master_remainders=remainders, **scaling, **given, **props)
     _check_consistent(config, given)
+    if not config.dynamic_loss_scale and config.min_loss_scale is not None:
+        # apex took min_loss_scale (and max_loss_scale) with any scale and used them only when
+        # it was dynamic; Jasper/NeMo pass min_loss_scale=1.0 at every level.  A static scale
+        # never moves, so the floor is dropped rather than refused.
+        logger.debug("ampinit: min_loss_scale=%g is ignored: loss_scale=%s is static",
+                     config.min_loss_scale, config.loss_scale)
+        config = dataclasses.replace(config, min_loss_scale=None)
     return config
 
 
@@ -298,6 +308,3 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
     if config.min_loss_scale is not None and config.min_loss_scale > config.max_loss_scale:
         raise ValueError(f"min_loss_scale ({config.min_loss_scale}) is larger than "
                          f"max_loss_scale ({config.max_loss_scale})")
-    if not config.dynamic_loss_scale and config.min_loss_scale is not None:
-        raise ValueError(f"{where}: min_loss_scale only applies to dynamic loss scaling, but "
-                         f"loss_scale={config.loss_scale}; pass loss_scale='dynamic' or drop it")

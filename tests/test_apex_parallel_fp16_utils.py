@@ -438,10 +438,13 @@ def test_fp16_optimizer_refuses_an_apex_scaler_of_the_other_kind(tmp_path, apex_
     ({"init_scale": 4.0, "scale_window": 100}, 6, {0, 1, 2, 3}),
     ({"init_scale": 2 ** 10, "scale_factor": 3.0, "scale_window": 2}, 8, {2}),
 ], ids=["defaults", "window", "factor-4", "floor", "factor-3"])
-def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one_backward", "two_backwards"])
+def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted, backwards):
     """The scale after each step against apex's DynamicLossScaler rule written out in the test
     (back off to max(scale / scale_factor, 1), grow by scale_factor after scale_window clean
-    steps; defaults 2**32, 2, 1000).  The loss is tiny, so only the planted infs overflow."""
+    steps; defaults 2**32, 2, 1000).  The loss is tiny, so only the planted infs overflow.
+    apex updated it once per step(): with two backwards per step (OpenNMT's accum_count=2) it
+    grew twice as fast, and halved twice on a step whose two backwards both overflowed."""
     torch.manual_seed(0)
     model = nn.Linear(4, 4).half()
     opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), dynamic_loss_scale=True,
@@ -453,9 +456,10 @@ def test_fp16_optimizer_dynamic_scale_follows_apex(args, steps, planted):
     overflows, scales = [], []
     apex_scaler = fp16_utils.DynamicLossScaler(**defaults)  # apex's host-side class, driven alike
     for step in range(steps):
-        loss = model(x).float().pow(2).mean() * 1e-12
         opt.zero_grad()
-        opt.backward(loss * (float("inf") if step in planted else 1.0))
+        for _ in range(backwards):
+            loss = model(x).float().pow(2).mean() * 1e-12
+            opt.backward(loss * (float("inf") if step in planted else 1.0))
         overflows.append(opt.overflow)
         opt.step()
         scales.append(opt.loss_scale)

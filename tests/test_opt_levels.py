@@ -1,6 +1,8 @@
 import pytest
 import torch
+from torch import nn
 
+import ampinit as amp
 from ampinit.opt_levels import OPT_LEVELS, resolve_config
 
 # apex's documented table (cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
@@ -51,7 +53,6 @@ def test_zero_instead_of_letter_o(bad):
     (dict(opt_level="O2", keep_batchnorm_fp32="yes"), "keep_batchnorm_fp32"),
     (dict(opt_level="O2", cast_model_type=torch.int8), "cast_model_type"),
     (dict(opt_level="O2", min_loss_scale=8.0, max_loss_scale=4.0), "larger than"),
-    (dict(opt_level="O3", min_loss_scale=1.0), "dynamic"),
     (dict(opt_level="O2", num_losses=0), "num_losses"),
     (dict(opt_level="O2", verbosity=5), "verbosity"),
     (dict(opt_level="O2", max_loss_scale=-1), "max_loss_scale"),
@@ -59,6 +60,30 @@ def test_zero_instead_of_letter_o(bad):
 def test_contradictions_and_bad_values(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         resolve_config(**kwargs)
+
+
+@pytest.mark.parametrize("level, scaling", [
+    ("O0", dict(min_loss_scale=1.0)), ("O3", dict(min_loss_scale=1.0)),  # Jasper / early NeMo
+    ("O1", dict(loss_scale=128.0, max_loss_scale=2.0 ** 13, min_loss_scale=1.0)),  # pytorch-tools fit_wrapper
+    ("O2", dict(loss_scale=4.0, min_loss_scale=8.0)),
+])
+def test_min_loss_scale_with_a_static_scale_is_ignored_as_in_apex(level, scaling):
+    """From a review of apex scripts: apex stored min_loss_scale whatever the scale and used it
+    only for a dynamic one; ampinit refused it next to a static scale, so the scripts stopped at
+    initialize.  The static scale stays what it was, overflows included."""
+    config = resolve_config(level, **scaling)
+    assert config.min_loss_scale is None and not config.dynamic_loss_scale
+    model = nn.Linear(4, 2).to(torch.float16 if level in ("O2", "O3") else torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **scaling)
+    static = scaling.get("loss_scale", 1.0)
+    for poison in (1.0, float("inf"), 1.0):
+        with amp.scale_loss(model(torch.randn(3, 4).to(model.weight.dtype)).float().sum() * poison, opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.amp.loss_scale(0) == static
+    assert opt.amp.skipped_steps == 1
 
 
 def test_cast_model_type_false_means_no_cast_and_keeps_masters():

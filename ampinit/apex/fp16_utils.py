@@ -209,7 +209,8 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     ``static_loss_scale``, or ``dynamic_loss_scale=True`` with ``dynamic_loss_args``: the scale
     follows apex's ``DynamicLossScaler`` (``init_scale`` 2**32, ``scale_factor`` 2,
     ``scale_window`` 1000): on an overflow it becomes ``max(scale / scale_factor, 1)``, and it is
-    multiplied by ``scale_factor`` after ``scale_window`` clean steps.  ampinit adds
+    multiplied by ``scale_factor`` after ``scale_window`` clean steps; updated once per ``step()``
+    from every backward since the last one, as apex's (amp updates at each backward).  ampinit adds
     ``min_loss_scale`` (default 1, apex's floor) and ``max_loss_scale`` (default 2**127, float32's
     largest power of two; apex had none).  As everywhere in ampinit, ``step()`` raises after 16
     consecutive skipped steps at the floor, where apex skipped forever.
@@ -240,6 +241,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         config = resolve_config("O2", cast_model_type=False, verbosity=1 if verbose else 0, **scaling)
         self.optimizer = init_optimizer
         self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)
+        self._handle.scale_updates_at_step = True  # apex: one update_scale per step(), not per backward
         self._binding = binding_of(init_optimizer)
         self._scaler = self._handle.loss_scalers[0]
         # The overflow flag of the gradients the last step() used (None: no gradient, or no step
@@ -286,6 +288,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         # a device copy, read only if `overflow` is asked: Megatron's loop skips its LR
         # scheduler on `optimizer.overflow` right after a skipped step
         step_found_inf = flow.found_inf.clone() if flow.unscaled_since_step else None
+        self._handle.update_scale_at_step(self._binding)
         result = self.optimizer.step()
         self._step_found_inf = step_found_inf
         return result
