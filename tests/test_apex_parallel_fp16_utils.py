@@ -550,6 +550,9 @@ def test_apex_dynamic_loss_scaler_class_follows_apex():
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([1.0, float("nan")])
     assert scaler.has_overflow([p]) and not LossScaler(4.0).has_overflow([p]) and LossScaler(4.0).loss_scale == 4.0
+    # apex's staticmethod, called on the class (Megatron-era checks of a reduced loss)
+    assert DynamicLossScaler._has_inf_or_nan(torch.tensor([1.0, float("inf")]))
+    assert not DynamicLossScaler._has_inf_or_nan(torch.ones(3))
 
 
 def test_fp16_optimizer_has_apexs_group_lists():

@@ -75,6 +75,9 @@ class DynamicLossScaler(LossScaler):
         self.scale_factor = scale_factor
         self.scale_window = scale_window
 
+    # apex's staticmethod, called on the class by some scripts (Megatron-era loss checks)
+    _has_inf_or_nan = staticmethod(_has_inf_or_nan)
+
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether any param's gradient holds an inf or a NaN (a host read per gradient)."""
         return any(p.grad is not None and _has_inf_or_nan(p.grad) for p in params)
