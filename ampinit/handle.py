@@ -624,8 +624,9 @@ class AmpHandle:
         updates would round away; as in ``add_param_group``, each gets its FP32 master, optimizer
         state included.  A walk over the parameters' dtypes, at each ``scale_loss`` and ``step()``."""
         masters = self.masters
-        strays = [p for group in optimizer.param_groups for p in group["params"]
-                  if p.dtype in _LOW_PRECISION and not masters.stepped_in_place(p)]
+        fp32 = torch.float32  # an identity test first: the masters are all FP32
+        strays = [p for group in optimizer.param_groups for p in group["params"] if p.dtype is not fp32]
+        strays = [p for p in strays if p.dtype in _LOW_PRECISION and not masters.stepped_in_place(p)]
         if not strays:
             return
         masters.check_no_overlap([p for p in strays if p not in masters])  # before any master is made
