@@ -629,6 +629,15 @@ class AmpHandle:
         strays = [p for p in strays if p.dtype in _LOW_PRECISION and not masters.stepped_in_place(p)]
         if not strays:
             return
+        listed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        doubled = [p for p in strays if id(masters.master_param(p)) in listed]
+        if doubled or len({id(p) for p in strays}) < len(strays):
+            name = self.param_name(doubled[0]) if doubled else "a 16-bit model parameter"
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.param_groups lists {name} twice: as the 16-bit model parameter, put "
+                "there after initialize, and as its FP32 master (or as the model parameter twice); it would be "
+                "updated twice per step.  List each parameter once (the masters are what "
+                "ampinit.master_params(optimizer) yields)")
         masters.check_no_overlap([p for p in strays if p not in masters])  # before any master is made
         mapping = {}
         for param in strays:

@@ -655,18 +655,22 @@ def test_state_of_another_shape_is_refused_before_any_update():
                          ids=["adamw", "sgd"])
 def test_a_model_parameter_appended_beside_its_master_is_refused(make):
     """Appending the 16-bit model parameter itself to param_groups (not add_param_group) would
-    update it twice, through its master and directly: a clear error, on every backend."""
+    update it twice, through its master and directly: a clear error, on every backend (at the
+    scale_loss that finds it, before the backward)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     opt = make([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     opt.param_groups[1]["params"].append(model[0].weight)
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
-        scaled.backward()
-    with pytest.raises(RuntimeError, match="16-bit|did not put there"):
+    groups = [list(group["params"]) for group in opt.param_groups]
+    with pytest.raises(RuntimeError, match="lists 0.weight twice: as the 16-bit model parameter"):
+        with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+    with pytest.raises(RuntimeError, match="lists 0.weight twice"):
         opt.step()
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert [list(group["params"]) for group in opt.param_groups] == groups  # nothing was changed
 
 
 def test_a_bare_import_ampinit_reaches_the_fused_optimizers():

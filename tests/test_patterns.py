@@ -835,3 +835,19 @@ def test_a_param_group_rebuilt_from_the_model_trains_through_its_masters(level, 
         assert torch.equal(p, q)
     assert "held 2 16-bit model parameter(s) (0.weight, 0.bias)" in caplog.text
     assert torch.equal(model.state_dict()["0.weight"], plain_model.state_dict()["0.weight"])
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_model_parameter_listed_beside_its_master_is_refused_for_a_plain_optimizer(level):
+    """Putting its master back would list the master twice, and torch.optim would update it twice
+    per step (it warns only when built): refused, with nothing changed."""
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    opt.param_groups[0]["params"].append(model[2].weight)
+    groups = [list(group["params"]) for group in opt.param_groups]
+    x, y = batch(0, n=8)
+    with pytest.raises(RuntimeError, match="lists 2.weight twice"):
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+    assert [list(group["params"]) for group in opt.param_groups] == groups
