@@ -95,9 +95,9 @@ class OptimizerBinding:
         self.handle.check_not_ended()
         flow = self.flow
         self._check_not_inside_scale_loss()
-        flow.check_foreign_grads("optimizer.step()")
-        if flow.masters is not None:
+        if flow.masters is not None:  # before the checks, which read param_groups
             self.handle.put_masters_back(self.optimizer)
+        flow.check_foreign_grads("optimizer.step()")
         flow.check_ready_for_step()
         if flow.masters is not None:
             flow.masters.sync(flow.models())

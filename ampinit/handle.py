@@ -528,6 +528,9 @@ class AmpHandle:
     def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,
                       loss_id: int, delay_unscale: bool, watch: BackwardWatch, check: bool = False) -> None:
         """Unscale (or keep, for ``delay_unscale``) what the backward produced."""
+        if self.masters is not None:  # a group rebuilt inside the block
+            for binding in bindings:
+                self.put_masters_back(binding.optimizer)
         if not watch.reached:  # no backward through the scaled loss: nothing to unscale
             unscaled = any(flow.pending is None and any(model.grad is not None for model, _ in flow.pairs())
                            for flow in flows)
@@ -604,6 +607,7 @@ class AmpHandle:
         use_masters = self.masters is not None
         new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
         if new:
+            self._check_held_by_no_other(new)
             self.masters.check_no_overlap(new)  # before any master is made
         masters = {p: self.masters.take(p) for p in new}
         try:
@@ -638,6 +642,7 @@ class AmpHandle:
                 "there after initialize, and as its FP32 master (or as the model parameter twice); it would be "
                 "updated twice per step.  List each parameter once (the masters are what "
                 "ampinit.master_params(optimizer) yields)")
+        self._check_held_by_no_other(strays)
         masters.check_no_overlap([p for p in strays if p not in masters])  # before any master is made
         mapping = {}
         for param in strays:
@@ -648,9 +653,23 @@ class AmpHandle:
         _remap_state(optimizer, {p: m for p, m in mapping.items() if m is not p}, torch.float32)
         self._reported.update((p, torch.float32) for p in strays if p not in self._reported)
         logger.warning("ampinit: %s.param_groups held %d 16-bit model parameter(s) (%s%s), put there after "
-                       "initialize: they train through their FP32 masters instead, which take their places",
+                       "initialize: they train through their masters instead, which take their places",
                        type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
                        ", ..." if len(strays) > 3 else "")
+
+    def _check_held_by_no_other(self, params: List[torch.Tensor]) -> None:
+        """16-bit parameters that another live initialization holds (cast, or keeps a master of)
+        must not get a second master here: each optimizer's updates would reach the other only
+        through the rounding (see ``frontend._check_nothing_shared_with_another_initialization``)."""
+        for param in params:
+            others = [h for h in handles_holding_parameter(param) if h is not self]
+            if others:
+                raise RuntimeError(
+                    f"a {param.dtype} parameter given to this optimizer belongs to a model that another ampinit "
+                    f"initialization (opt_level={others[0].config.opt_level!r}) set up and has not ended: it would "
+                    "get a second FP32 master, and each optimizer's updates would reach the other only through the "
+                    "16-bit rounding.  Initialize the models together, or end the other initialization first "
+                    "(ampinit.end(other_model)).  Nothing was changed")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,

@@ -148,8 +148,21 @@ class _AmpOptimizerMixin:
         # pickle's __newobj__ insists on the object's own class: build the base class's instead
         return (_new_instance, (type(self)._ampinit_base,), *rest)
 
+    def state_dict(self) -> dict:
+        """torch's, over the masters (a group rebuilt from the model's parameters gets them back
+        first: see ``AmpHandle.put_masters_back``)."""
+        binding = binding_of(self)
+        if binding is not None and binding.flow.masters is not None:
+            binding.handle.put_masters_back(self)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, which makes ``self.state`` anew: it is keyed by the masters again."""
+        """torch's, which makes ``self.state`` anew: it is keyed by the masters again.  A group
+        rebuilt from the model's parameters gets its masters back first, so that torch casts the
+        loaded state to theirs (FP32), not to the model's 16 bits."""
+        binding = binding_of(self)
+        if binding is not None and binding.flow.masters is not None:
+            binding.handle.put_masters_back(self)
         super().load_state_dict(state_dict)
         binding = binding_of(self)
         if binding is not None and binding.flow.masters is not None:

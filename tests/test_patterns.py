@@ -1,6 +1,7 @@
 """Training patterns at O1, O2 and O5: accumulation, clipping, gradient penalty, sparse
 gradients, several models/losses; overflow diagnostics and persistent NaN."""
 import collections
+import copy
 import math
 
 import pytest
@@ -804,11 +805,17 @@ def _rebuild_groups_run(level, make_opt, edit, steps=12):
     model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
     for step in range(steps):
         x, y = batch(step, n=16)
-        if step == 3 and edit == "before":
-            opt.param_groups[0]["params"] = [p for p in model[0].parameters() if p.requires_grad]
+        if step == 3 and edit in ("before", "then_load", None):
+            saved = copy.deepcopy(opt.state_dict())
+            if edit is not None:
+                opt.param_groups[0]["params"] = [p for p in model[0].parameters() if p.requires_grad]
+            if edit in ("then_load", None):  # torch casts loaded state to its params' dtype
+                opt.load_state_dict(saved)
         loss = ((model(x).float() - y) ** 2).mean()
         opt.zero_grad()
         with amp.scale_loss(loss, opt) as scaled:
+            if step == 3 and edit == "inside":
+                opt.param_groups[0]["params"] = list(model[0].parameters())
             scaled.backward()
         if step == 3 and edit == "between":
             opt.param_groups[0]["params"] = list(model[0].parameters())
@@ -816,7 +823,7 @@ def _rebuild_groups_run(level, make_opt, edit, steps=12):
     return model, opt
 
 
-@pytest.mark.parametrize("edit", ["before", "between"])
+@pytest.mark.parametrize("edit", ["before", "between", "inside", "then_load"])
 @pytest.mark.parametrize("make_opt", [lambda g: torch.optim.SGD(g, lr=2e-3, momentum=0.9),
                                       lambda g: torch.optim.Adam(g, lr=1e-3)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("level", ["O2", "O5"])
@@ -824,7 +831,9 @@ def test_a_param_group_rebuilt_from_the_model_trains_through_its_masters(level, 
     """From a review: ``group["params"] = list(model[0].parameters())`` after initialize put the
     16-bit model parameters in the optimizer, which then stepped them with no master (80 % of
     the weights never moved at O2, 100 % at O5, against none in FP32), silently.  They take
-    their masters' places back, state included: the run equals the one without the edit."""
+    their masters' places back, state included: the run equals the one without the edit.  From
+    the review of that fix: an edit inside the block made step() raise, and a load_state_dict
+    after the edit cast the loaded state to 16 bits (Adam's exp_avg_sq all 0 in fp16)."""
     with caplog.at_level("WARNING", logger="ampinit"):
         model, opt = _rebuild_groups_run(level, make_opt, edit)
     plain_model, plain_opt = _rebuild_groups_run(level, make_opt, None)
@@ -851,3 +860,25 @@ def test_a_model_parameter_listed_beside_its_master_is_refused_for_a_plain_optim
         with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
             scaled.backward()
     assert [list(group["params"]) for group in opt.param_groups] == groups
+
+
+@pytest.mark.parametrize("how", ["rebuild", "add_param_group"])
+def test_another_initializations_parameters_get_no_second_master(how):
+    """From the review: a frozen teacher initialized at O2 without an optimizer, its parameters put
+    into the student's groups by hand or with add_param_group, got a second FP32 master and
+    trained behind the teacher's (which end() would write back).  Refused, nothing changed."""
+    teacher = amp.initialize(mlp(1), opt_level="O2", verbosity=0)
+    student = mlp(0)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    student, opt = amp.initialize(student, opt, opt_level="O2", verbosity=0)
+    groups = [list(group["params"]) for group in opt.param_groups]
+    with pytest.raises(RuntimeError, match="another ampinit initialization .* set up and has not ended"):
+        if how == "rebuild":
+            opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"]) + list(teacher.parameters())
+            opt.step()
+        else:
+            opt.add_param_group({"params": list(teacher.parameters())})
+    if how == "rebuild":
+        opt.param_groups[0]["params"] = groups[0]
+    assert [list(group["params"]) for group in opt.param_groups] == groups
+    assert all(p.dtype == torch.float16 for p in teacher.parameters())
