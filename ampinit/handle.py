@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import distributed
 from . import optimizer as amp_optimizer
@@ -36,6 +37,7 @@ __all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_p
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
 _PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _ParamMarks
+_WARNED_FOREIGN = "_ampinit_warned_foreign_step"  # on an optimizer check_foreign_step logged about
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
@@ -100,6 +102,30 @@ def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     another model is found here, where its module is not)."""
     links = [mark.link for mark in param.__dict__.get(_PARAM_ATTR, ()) if isinstance(mark, _ParamMark)]
     return [link.handle for link in links if link is not None and link.handle is not None]
+
+
+def _check_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook (see :func:`watch_foreign_steps`): an optimizer that no ``initialize``
+    bound, stepping parameters a live initialization holds (a stage-2 optimizer built over
+    ``model.parameters()`` after ``initialize``), is checked by each such initialization."""
+    if amp_optimizer.binding_of(optimizer) is not None:
+        return
+    for group in getattr(optimizer, "param_groups", None) or ():
+        for param in group["params"]:
+            if _PARAM_ATTR in param.__dict__:
+                for handle in handles_holding_parameter(param):
+                    handle.check_foreign_step(optimizer)
+
+
+_FOREIGN_STEP_HOOK = None  # torch's handle of the hook, registered once (the first initialize)
+
+
+def watch_foreign_steps() -> None:
+    """Register :func:`_check_foreign_step` with torch, once per process.  It costs an optimizer
+    that ampinit did not bind one dict lookup per parameter per step."""
+    global _FOREIGN_STEP_HOOK
+    if _FOREIGN_STEP_HOOK is None:
+        _FOREIGN_STEP_HOOK = register_optimizer_step_pre_hook(_check_foreign_step)
 
 
 def _mark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
@@ -324,6 +350,7 @@ class AmpHandle:
         except BaseException:
             self.end()
             raise
+        watch_foreign_steps()
         self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
         self.log(2, f"ampinit: {sum(len(c.original_dtypes) for c in self._castings)} tensors cast, "
                     f"{len(self.masters.tensors()) if self.masters else 0} FP32 masters, "
@@ -656,6 +683,38 @@ class AmpHandle:
                        "initialize: they train through their masters instead, which take their places",
                        type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
                        ", ..." if len(strays) > 3 else "")
+
+    def check_foreign_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``, which no ``initialize`` bound, is about to step parameters of this
+        initialization's models.  With masters (O2/O5) that is always wrong: it would update the
+        16-bit model behind its masters, with gradients still multiplied by the loss scale (NaN
+        after one step); it raises before the update.  At O1 it misses every overflow skip and
+        leaves unscaled only the gradients of the bound optimizers: logged once per optimizer.
+        A wrapper that shares a bound optimizer's ``param_groups`` (SAM, LARC, Lookahead) or one
+        that a bound optimizer steps (ZeroRedundancyOptimizer's) is the bound optimizer's own."""
+        for binding in self._bindings:
+            if binding.optimizer.param_groups is optimizer.param_groups or \
+                    amp_optimizer.delegating_optimizer(binding.optimizer) is optimizer:
+                return
+        name = type(optimizer).__name__
+        if self.masters is not None:
+            raise RuntimeError(
+                f"{name}.step(): this optimizer was not passed to ampinit.initialize, but it updates parameters of "
+                f"a model that an initialization at opt_level={self.config.opt_level!r} set up and has not ended.  "
+                "There the optimizer initialize returned updates FP32 master weights and copies them into the "
+                "16-bit model, and the model's gradients are multiplied by the loss scale: this step would update "
+                "the 16-bit weights directly with those gradients.  To train with a new optimizer (a second "
+                "stage), end the initialization and initialize again: ampinit.end(model); model, optimizer = "
+                "ampinit.initialize(model, optimizer, ...); or add the parameters to the initialized optimizer "
+                "(add_param_group).  Nothing was updated")
+        if self.config.dynamic_loss_scale and self.optimizers and not optimizer.__dict__.get(_WARNED_FOREIGN):
+            optimizer.__dict__[_WARNED_FOREIGN] = True
+            logger.warning(
+                "ampinit: %s.step(): this optimizer was not passed to ampinit.initialize, but it updates parameters "
+                "of a model initialized at opt_level=%r: its steps are not skipped when a gradient overflows "
+                "(inf/NaN reach the weights), and gradients that only it holds stay multiplied by the loss scale.  "
+                "Pass it to ampinit.initialize (ampinit.end(model) first to initialize again).  Logged once",
+                name, self.config.opt_level)
 
     def _check_held_by_no_other(self, params: List[torch.Tensor]) -> None:
         """16-bit parameters that another live initialization holds (cast, or keeps a master of)

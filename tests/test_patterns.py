@@ -882,3 +882,65 @@ def test_another_initializations_parameters_get_no_second_master(how):
         opt.param_groups[0]["params"] = groups[0]
     assert [list(group["params"]) for group in opt.param_groups] == groups
     assert all(p.dtype == torch.float16 for p in teacher.parameters())
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("backward", ["old_scale_loss", "plain"])
+def test_a_new_optimizer_over_an_initialized_model_is_refused_before_it_steps(level, backward):
+    """From a review of stage-wise fine-tuning: a second-stage optimizer built after initialize
+    over model.parameters() stepped the 16-bit model directly with the scaled gradients O2 leaves
+    there (NaN from the first step, silently).  Refused before the update; ending and
+    initializing again with it trains."""
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    stage2 = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch(0, n=16)
+    loss = ((model(x).float() - y) ** 2).mean()
+    if backward == "plain":
+        loss.backward()
+    else:
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="was not passed to ampinit.initialize.*ampinit.end\\(model\\)"):
+        stage2.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    amp.end(model)
+    stage2 = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, stage2 = amp.initialize(model, stage2, opt_level=level, verbosity=0)
+    for _ in range(3):
+        loss = ((model(x).float() - y) ** 2).mean()
+        stage2.zero_grad()
+        with amp.scale_loss(loss, stage2) as scaled:
+            scaled.backward()
+        stage2.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_new_optimizer_over_an_o1_model_is_logged_and_wrappers_of_the_bound_one_are_not(caplog):
+    """At O1 the gradients are unscaled after scale_loss, but a foreign optimizer's steps skip no
+    overflow: logged once.  A wrapper sharing the bound optimizer's param_groups is its own."""
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+
+    class SharingWrapper(torch.optim.Optimizer):  # SAM / Lookahead style
+        def __init__(self, base):
+            self.base = base
+            super().__init__(base.param_groups, {})
+            self.param_groups = base.param_groups
+
+        def step(self, closure=None):
+            self.base.step()
+
+    wrapper, stage2 = SharingWrapper(opt), torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = batch(0, n=16)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for optimizer in (wrapper, stage2, stage2):
+            with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+            optimizer.step()
+            opt.zero_grad()
+    assert caplog.text.count("was not passed to ampinit.initialize") == 1
+    assert "SGD.step()" in caplog.text and "SharingWrapper" not in caplog.text
