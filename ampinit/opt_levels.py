@@ -305,6 +305,7 @@ def _check_consistent(config: AmpConfig, dynamic_options: dict) -> None:
         raise ValueError(
             f"{where}: keep_batchnorm_fp32={config.keep_batchnorm_fp32} only applies when the "
             f"model is cast (O2/O3/O5); leave it None here")
-    if config.min_loss_scale is not None and config.min_loss_scale > config.max_loss_scale:
+    floor_given = config.min_loss_scale is not None
+    if config.dynamic_loss_scale and floor_given and config.min_loss_scale > config.max_loss_scale:
         raise ValueError(f"min_loss_scale ({config.min_loss_scale}) is larger than "
                          f"max_loss_scale ({config.max_loss_scale})")

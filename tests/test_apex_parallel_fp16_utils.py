@@ -286,8 +286,11 @@ def test_fp16_optimizer_rejects_bad_input():
     with pytest.raises(TypeError):
         fp16_utils.FP16_Optimizer("sgd")
     model = nn.Linear(2, 2).half()
-    with pytest.raises(ValueError, match="dynamic_loss_args"):
-        fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_args={"init_scale": 2.0})
+    # apex ignored dynamic_loss_args next to a static scale (from a review): so does ampinit
+    static = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0,
+                                       dynamic_loss_args={"init_scale": 2.0}, verbose=False)
+    assert static.loss_scale == 128.0
+    amp.end(static.optimizer)
     with pytest.raises(ValueError, match="unknown"):
         fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
                                   dynamic_loss_args={"bogus": 1})
@@ -551,6 +554,7 @@ def test_apex_dynamic_loss_scaler_class_follows_apex():
     p.grad = torch.tensor([1.0, float("nan")])
     assert scaler.has_overflow([p]) and not LossScaler(4.0).has_overflow([p]) and LossScaler(4.0).loss_scale == 4.0
     # apex's staticmethod, called on the class (Megatron-era checks of a reduced loss)
+    assert not LossScaler._has_inf_or_nan(torch.tensor([float("nan")]))  # the static one never overflows
     assert DynamicLossScaler._has_inf_or_nan(torch.tensor([1.0, float("inf")]))
     assert not DynamicLossScaler._has_inf_or_nan(torch.ones(3))
 

@@ -66,6 +66,7 @@ def test_contradictions_and_bad_values(kwargs, match):
     ("O0", dict(min_loss_scale=1.0)), ("O3", dict(min_loss_scale=1.0)),  # Jasper / early NeMo
     ("O1", dict(loss_scale=128.0, max_loss_scale=2.0 ** 13, min_loss_scale=1.0)),  # pytorch-tools fit_wrapper
     ("O2", dict(loss_scale=4.0, min_loss_scale=8.0)),
+    ("O2", dict(loss_scale=128.0, min_loss_scale=4.0, max_loss_scale=2.0)),  # both ignored: no contradiction
 ])
 def test_min_loss_scale_with_a_static_scale_is_ignored_as_in_apex(level, scaling):
     """From a review of apex scripts: apex stored min_loss_scale whatever the scale and used it

@@ -236,8 +236,8 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         scaling: Dict[str, Any] = {"loss_scale": "dynamic" if dynamic_loss_scale else static_loss_scale}
         if dynamic_loss_scale:
             scaling.update(self._dynamic_scaling(dynamic_loss_args or {}))
-        elif dynamic_loss_args:
-            raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
+        elif dynamic_loss_args:  # apex ignored them next to a static scale
+            logger.debug("ampinit: FP16_Optimizer ignores dynamic_loss_args without dynamic_loss_scale=True")
         config = resolve_config("O2", cast_model_type=False, verbosity=1 if verbose else 0, **scaling)
         self.optimizer = init_optimizer
         self._handle = AmpHandle(config, [], [init_optimizer], params[0].device)

@@ -38,6 +38,11 @@ class LossScaler:
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         return False
 
+    @staticmethod
+    def _has_inf_or_nan(tensor: torch.Tensor) -> bool:
+        """apex's static scaler never reports an overflow, whatever ``tensor`` holds."""
+        return False
+
     def update_scale(self, overflow: bool) -> None:
         """Nothing to update: the scale is static."""
 
