@@ -655,9 +655,10 @@ class AmpHandle:
         updates would round away; as in ``add_param_group``, each gets its FP32 master, optimizer
         state included.  A walk over the parameters' dtypes, at each ``scale_loss`` and ``step()``."""
         masters = self.masters
-        fp32 = torch.float32  # an identity test first: the masters are all FP32
-        strays = [p for group in optimizer.param_groups for p in group["params"] if p.dtype is not fp32]
-        strays = [p for p in strays if p.dtype in _LOW_PRECISION and not masters.stepped_in_place(p)]
+        fp32, in_place = torch.float32, masters.stepped_in_place  # identity tests first
+        strays = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.dtype is not fp32 and id(p) not in in_place]
+        strays = [p for p in strays if p.dtype in _LOW_PRECISION]
         if not strays:
             return
         listed = {id(p) for group in optimizer.param_groups for p in group["params"]}

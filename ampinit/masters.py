@@ -147,6 +147,7 @@ class MasterWeights:
         self._master_storage: Dict[torch.Tensor, int] = {}  # and its address then
         self._flags: Optional[_ForwardChecks] = None  # None: rebuilt at the next forward
         self._updated: set = set()   # model parameters whose masters an optimizer updates
+        self._stepped_in_place: set = set()  # ids of those kept as remainders (stepped_in_place)
         self._added: set = set()     # low-precision parameters ampinit did not cast (add_param_group)
         for tensor, value in fp32_values.items():
             self._add(tensor, value)
@@ -450,6 +451,7 @@ class MasterWeights:
             if self._compared_once and _distributed_world():
                 self._reset_remainders([param])
             self._updated.add(param)
+            self._stepped_in_place.add(id(param))
             return param
         master = self._value.get(param)
         if master is None and self._remainder_mode and param.dtype == torch.bfloat16:
@@ -459,6 +461,7 @@ class MasterWeights:
                 self._added.add(param)
                 self._remainders[param] = ops.new_remainders(param)
                 self._updated.add(param)
+                self._stepped_in_place.add(id(param))
                 return param
             self.without_remainders.append(param)
         if master is None:
@@ -473,10 +476,12 @@ class MasterWeights:
         self._updated.add(param)
         return master
 
-    def stepped_in_place(self, param: torch.Tensor) -> bool:
-        """Whether an optimizer updates the low-precision ``param`` itself, legitimately: a
-        bfloat16 weight whose master is kept as remainders."""
-        return param in self._remainders and param in self._updated
+    @property
+    def stepped_in_place(self) -> set:
+        """The ids of the low-precision parameters an optimizer updates itself, legitimately:
+        bfloat16 weights whose masters are kept as remainders.  By id: a tensor's ``__hash__``
+        is a Python call, and this is tested for every parameter at every step."""
+        return self._stepped_in_place
 
     def check_no_overlap(self, params: List[torch.Tensor]) -> None:
         """Parameters added later must not share memory with one ampinit keeps a master for, or
@@ -504,6 +509,7 @@ class MasterWeights:
     def release(self, param: torch.Tensor) -> None:
         """An optimizer no longer updates ``param`` (a failed ``add_param_group``)."""
         self._updated.discard(param)
+        self._stepped_in_place.discard(id(param))
         if param in self._added:
             self._added.discard(param)
             self._remainders.pop(param, None)
