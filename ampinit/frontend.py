@@ -11,6 +11,7 @@ alive); with several live initializations, call the handle's own methods instead
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import weakref
 from collections import OrderedDict
@@ -125,6 +126,26 @@ def _check_nothing_shared_with_another_initialization(model: nn.Module, trained:
     and where the other initialization has no optimizer and this one trains none of the shared
     parameters (a frozen teacher initialized for inference, inside a student).  ``trained``:
     the ids of the parameters this initialization's optimizers hold."""
+    conflict = _first_conflict(model, trained, config)
+    if conflict is not None:
+        # the earlier model may be dropped already, alive only in a reference cycle (with its
+        # optimizer) that the garbage collector has not reached: collect, and look again
+        gc.collect()
+        conflict = _first_conflict(model, trained, config)
+    if conflict is not None:
+        what, opt_level = conflict
+        raise RuntimeError(
+            f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
+            f"{opt_level!r}) set up and has not ended: initialize them in one call, "
+            "ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters "
+            "have one FP32 master and one owner; or end the earlier initialization first, "
+            "ampinit.end(earlier_model) (a module of it will do).  A model initialized without an "
+            "optimizer may be shared if this initialization's optimizers do not train it")
+
+
+def _first_conflict(model: nn.Module, trained: set, config: AmpConfig) -> Optional[Tuple[str, str]]:
+    """``(what is shared, the other's opt_level)`` of the first conflict, or ``None``.  Returns
+    no handle: the caller collects garbage between two calls, which a reference would defeat."""
     def keeps_copies(of: AmpConfig) -> bool:
         return of.casts_model or bool(of.master_weights)
 
@@ -134,20 +155,15 @@ def _check_nothing_shared_with_another_initialization(model: nn.Module, trained:
         return bool(other.optimizers) or any(id(p) in trained for p in params)
 
     # a module's parameters are listed only where another initialization holds it
-    shared = [(f"its submodule {name!r}" if name else "it", handles_holding(module), module.parameters)
-              for name, module in model.named_modules()]
-    shared += [(f"its parameter {name!r}", handles_holding_parameter(param), lambda param=param: [param])
-               for name, param in model.named_parameters()]
-    for what, others, params in shared:
-        for other in others:
-            if other is not None and conflicts(other, params()):
-                raise RuntimeError(
-                    f"this model shares {what} with a model that an earlier ampinit.initialize (opt_level="
-                    f"{other.config.opt_level!r}) set up and has not ended: initialize them in one call, "
-                    "ampinit.initialize([model_a, model_b], [optimizer_a, optimizer_b]), so that shared parameters "
-                    "have one FP32 master and one owner; or end the earlier initialization first, "
-                    "ampinit.end(earlier_model) (a module of it will do).  A model initialized without an "
-                    "optimizer may be shared if this initialization's optimizers do not train it")
+    for name, module in model.named_modules():
+        for other in handles_holding(module):
+            if conflicts(other, module.parameters()):
+                return (f"its submodule {name!r}" if name else "it"), other.config.opt_level
+    for name, param in model.named_parameters():
+        for other in handles_holding_parameter(param):
+            if conflicts(other, [param]):
+                return f"its parameter {name!r}", other.config.opt_level
+    return None
 
 
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
@@ -351,6 +367,10 @@ def handle_of(obj: Any = None) -> AmpHandle:
             return binding.handle
     elif isinstance(obj, nn.Module):
         holding = handles_holding(obj)  # the model, or any module of it
+        if len(holding) > 1 and handle_of_model(obj) is None:
+            holding = None  # no reference of ours may keep them alive through the collection
+            gc.collect()  # initializations of models already dropped live on in reference cycles
+            holding = handles_holding(obj)
         if len(holding) > 1 and handle_of_model(obj) is None:
             raise RuntimeError(
                 f"this {type(obj).__name__} belongs to {len(holding)} live ampinit initializations (a module "

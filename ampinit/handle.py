@@ -36,7 +36,7 @@ __all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_p
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
-_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _ParamMarks
+_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _WeakLinks
 _WARNED_FOREIGN = "_ampinit_warned_foreign_step"  # on an optimizer check_foreign_step logged about
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
@@ -84,10 +84,14 @@ def handles_holding(module: nn.Module) -> List["AmpHandle"]:
     return found
 
 
-class _ParamMark(_DeadWhenCopied):
-    """A parameter's reference to an initialization that holds it.  Weak: a parameter that C++
-    holds too (DDP's reducer, FSDP) must close no reference cycle through the handle, which would
-    then live until the interpreter's shutdown, process group and all.  A copy is dead."""
+class _WeakLink(_DeadWhenCopied):
+    """A weak reference to an initialization's link, held by what the initialization does not
+    own: a parameter's mark of the initializations that hold it, and the hooks on the modules of
+    its model.  A parameter that C++ holds too (DDP's reducer, FSDP) must close no reference cycle
+    through the handle, which would then live until the interpreter's shutdown, process group and
+    all; a module shared with a model that was dropped (a backbone reused across folds) must not
+    keep that model's initialization alive.  The model itself and the optimizers hold the link,
+    so it lives while either does.  A copy is dead."""
 
     def __init__(self, link: Optional[_HandleLink] = None):
         self._ref = None if link is None else weakref.ref(link)
@@ -97,10 +101,30 @@ class _ParamMark(_DeadWhenCopied):
         return None if self._ref is None else self._ref()
 
 
+_DEAD_LINK = _HandleLink()  # what a module hook sees once its initialization is gone
+
+
+class _ModuleHook:
+    """Base of the hooks an initialization puts on the modules of its model.  Where it cast them
+    (O2/O3/O5) they hold it: it keeps their FP32 values, which ``ampinit.end(module)`` gives back
+    after the model and optimizer were dropped (an encoder kept from a fold).  Otherwise (O0/O1/
+    O4) they reach it through a :class:`_WeakLink` and do nothing once it is gone, so that a
+    module shared with a dropped model does not keep that model's initialization alive."""
+
+    def __init__(self, link: _HandleLink):
+        handle = link.handle
+        self._strong = link if handle is not None and handle.keeps_copies else None
+        self._weak = _WeakLink(link)
+
+    @property
+    def link(self) -> _HandleLink:
+        return self._strong or self._weak.link or _DEAD_LINK
+
+
 def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     """The live initializations whose models or optimizers hold ``param`` (a weight tied into
     another model is found here, where its module is not)."""
-    links = [mark.link for mark in param.__dict__.get(_PARAM_ATTR, ()) if isinstance(mark, _ParamMark)]
+    links = [mark.link for mark in param.__dict__.get(_PARAM_ATTR, ()) if isinstance(mark, _WeakLink)]
     return [link.handle for link in links if link is not None and link.handle is not None]
 
 
@@ -132,7 +156,7 @@ def _mark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
     for param in params:
         marks = param.__dict__.setdefault(_PARAM_ATTR, [])
         if all(mark.link is not link for mark in marks):
-            marks.append(_ParamMark(link))
+            marks.append(_WeakLink(link))
 
 
 def _unmark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
@@ -171,24 +195,22 @@ class _ModulesMadeLater:
         self.hooked = weakref.WeakSet()
 
 
-class _CastTensorHook:
+class _CastTensorHook(_ModuleHook):
     """A ``state_dict``/``load_state_dict`` hook of one module that finds its cast tensors when
     called (see :func:`_cast_tensors_of`).  With ``later_modules`` (on the model itself) it
     serves the modules made after ``initialize`` instead, which hold cast tensors moved into
     them (a parametrization's ``original``)."""
 
-    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype],
-                 later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
-        self.link = link
-        self.original = original
+    def __init__(self, link: _HandleLink, later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
+        super().__init__(link)
         self.later_modules = later_modules
 
-    def cast_tensors(self, module: nn.Module, prefix: str) -> Iterator[tuple]:
+    def cast_tensors(self, handle: "AmpHandle", module: nn.Module, prefix: str) -> Iterator[tuple]:
         """``(state_dict key, tensor, original dtype)`` of the cast tensors this hook serves."""
         owners = [(prefix, module)] if self.later_modules is None else \
             [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
         for owner_prefix, owner in owners:
-            for name, tensor, dtype in _cast_tensors_of(owner, self.original):
+            for name, tensor, dtype in _cast_tensors_of(owner, handle.reported_dtypes):
                 yield owner_prefix + name, tensor, dtype
 
 
@@ -202,7 +224,7 @@ class _SaveFP32Values(_CastTensorHook):
         handle = self.link.handle
         if handle is None:
             return
-        for key, tensor, dtype in self.cast_tensors(module, prefix):
+        for key, tensor, dtype in self.cast_tensors(handle, module, prefix):
             if key not in state_dict:
                 continue
             keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
@@ -263,28 +285,25 @@ class _LoadFP32Values(_CastTensorHook):
         handle = self.link.handle
         if handle is None:
             return
-        for key, tensor, _ in self.cast_tensors(module, prefix):
+        for key, tensor, _ in self.cast_tensors(handle, module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
                 handle.load_fp32_value(tensor, value)
 
 
-class _RefuseAssign:
+class _RefuseAssign(_ModuleHook):
     """``load_state_dict()`` pre-hook of every module of the model, run before its other hooks:
     ``assign=True`` would put the checkpoint's tensors in place of cast ones (FP32 tensors in a
     16-bit model, with no master behind them).  The module ``load_state_dict`` was called on
     runs it first and checks its whole subtree, before torch assigns anything."""
 
-    def __init__(self, link: _HandleLink, original: Dict[torch.Tensor, torch.dtype]):
-        self.link = link
-        self.original = original
-
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
-        if self.link.handle is None or not local_metadata.get("assign_to_params_buffers"):
+        handle = self.link.handle
+        if handle is None or not local_metadata.get("assign_to_params_buffers"):
             return
         keys = [prefix + sub_prefix + (sub_prefix and ".") + name
                 for sub_prefix, sub in module.named_modules(remove_duplicate=False)
-                for name, _, _ in _cast_tensors_of(sub, self.original)]
+                for name, _, _ in _cast_tensors_of(sub, handle.reported_dtypes)]
         assigned = [key for key in keys if key in state_dict]
         if assigned:
             raise RuntimeError(
@@ -318,6 +337,7 @@ class AmpHandle:
         # apex's FP16_Optimizer advanced its scale once per step(), from every backward since the
         # last one; amp (and ampinit) at every unscale.  See update_scale_at_step.
         self.scale_updates_at_step = False
+        self._reported: Dict[torch.Tensor, torch.dtype] = {}  # see _apply
         self.ended = False
         self._bindings: List[OptimizerBinding] = []
         self._hooks: list = []
@@ -685,6 +705,17 @@ class AmpHandle:
                        type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
                        ", ..." if len(strays) > 3 else "")
 
+    @property
+    def keeps_copies(self) -> bool:
+        """Whether this initialization cast the model or keeps FP32 masters of it (O2/O3/O5)."""
+        return self.config.casts_model or self.masters is not None
+
+    @property
+    def reported_dtypes(self) -> Dict[torch.Tensor, torch.dtype]:
+        """The tensors ``model.state_dict()`` reports the FP32 values of, each with the dtype it
+        reports them in (see ``_apply``)."""
+        return self._reported
+
     def check_foreign_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``, which no ``initialize`` bound, is about to step parameters of this
         initialization's models.  With masters (O2/O5) that is always wrong: it would update the
@@ -752,15 +783,15 @@ class AmpHandle:
         hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
         later_modules = _ModulesMadeLater()
         for module in model.modules():
-            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link, original)))
+            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link)))
             if not _cast_tensors_of(module, original):
                 continue
             later_modules.hooked.add(module)
-            hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link, original)))
-            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original)))
+            hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link)))
+            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link)))
         # after the modules' own hooks (hooks run in the order registered; the root's last)
-        hooks.append(model.register_state_dict_post_hook(_SaveFP32Values(self._link, original, later_modules)))
-        hooks.append(model.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, original, later_modules)))
+        hooks.append(model.register_state_dict_post_hook(_SaveFP32Values(self._link, later_modules)))
+        hooks.append(model.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, later_modules)))
         hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
         hooks.append(model.register_forward_pre_hook(_BeforeForward(self._link)))
         return hooks

@@ -441,6 +441,43 @@ def test_a_module_shared_by_two_live_initializations_names_neither_alone():
         amp.handle_of(first)
 
 
+def test_initializations_sharing_a_module_are_freed_when_dropped():
+    """From a review: a backbone reused by O1 folds kept every dropped fold's initialization (its
+    model, optimizer and handle) alive through the hooks on its modules, against README's
+    "dropping them frees it"; and end(backbone) then asked which of them to end.  The hooks hold
+    their initialization weakly; a refusal or an ambiguity first collects the cycles of models
+    already dropped (here with the collector off, as between two of its runs)."""
+    import gc
+    import weakref
+    backbone = nn.Linear(4, 4)
+    dropped = []
+
+    def fold():
+        model = nn.Sequential(backbone, nn.Linear(4, 2))
+        opt = torch.optim.Adam(model[1].parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        with amp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        dropped.append(weakref.ref(opt))
+
+    gc.disable()
+    try:
+        fold()
+        fold()
+        with pytest.raises(RuntimeError, match="not initialized"):  # both are gone: nothing to end
+            amp.handle_of(backbone)
+        fold()
+        fold()
+        model = nn.Sequential(backbone, nn.Linear(4, 3))
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    finally:
+        gc.enable()
+    gc.collect()
+    assert all(ref() is None for ref in dropped)
+    assert backbone.weight.dtype == torch.float16  # the O2 initialization holds it now
+
+
 def test_a_teacher_the_student_trains_is_refused():
     """From the review: the student's optimizer holding the teacher's parameters (an O2 teacher
     initialized without an optimizer) trained them on its own masters; ending the student and then
