@@ -153,7 +153,9 @@ class MasterWeights:
             self._add(tensor, value)
 
     def _add(self, tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, nn.Parameter):
+        # a parameter, or a plain leaf tensor an optimizer trains (torch.zeros(..., requires_grad=True)):
+        # its master is a Parameter that the gradients reach; a cast buffer's is a plain value
+        if isinstance(tensor, nn.Parameter) or (tensor.requires_grad and tensor.is_leaf):
             value = nn.Parameter(value.data, requires_grad=tensor.requires_grad)
             self._model_of[value] = tensor
             self._requires_grad[tensor] = tensor.requires_grad

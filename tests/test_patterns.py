@@ -944,3 +944,37 @@ def test_a_new_optimizer_over_an_o1_model_is_logged_and_wrappers_of_the_bound_on
             opt.zero_grad()
     assert caplog.text.count("was not passed to ampinit.initialize") == 1
     assert "SGD.step()" in caplog.text and "SharingWrapper" not in caplog.text
+
+
+@pytest.mark.parametrize("when", ["at_initialize", "add_param_group", "rebuilt_group"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_plain_16_bit_tensor_trains_like_a_parameter(level, when):
+    """From the review: a 16-bit leaf tensor that is not an nn.Parameter (a learnable temperature
+    made with torch.ones(..., requires_grad=True)) got a master no gradient reached: it never
+    moved, silently.  It trains bit for bit like the same values as an nn.Parameter."""
+    def run(as_parameter):
+        model = mlp(0)
+        dtype = torch.float16 if level == "O2" else torch.bfloat16
+        scale = torch.full((4,), 1.0, dtype=dtype, requires_grad=True)
+        if as_parameter:
+            scale = nn.Parameter(scale.detach())
+        params = list(model.parameters()) + ([scale] if when == "at_initialize" else [])
+        opt = torch.optim.SGD(params, lr=0.05)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        if when == "add_param_group":
+            opt.add_param_group({"params": [scale]})
+        elif when == "rebuilt_group":
+            opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"]) + [scale]
+        for step in range(5):
+            x, y = batch(step, n=16)
+            loss = ((model(x).float() * scale.float() - y) ** 2).mean()
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return scale.detach().clone(), [p.detach().clone() for p in model.parameters()]
+
+    plain, plain_model = run(False)
+    param, param_model = run(True)
+    assert not torch.equal(plain, torch.ones_like(plain))
+    assert torch.equal(plain, param) and all(torch.equal(a, b) for a, b in zip(plain_model, param_model))
