@@ -700,8 +700,8 @@ class AmpHandle:
             group["params"] = [mapping.get(p, p) for p in group["params"]]
         _remap_state(optimizer, {p: m for p, m in mapping.items() if m is not p}, torch.float32)
         self._reported.update((p, torch.float32) for p in strays if p not in self._reported)
-        logger.warning("ampinit: %s.param_groups held %d 16-bit model parameter(s) (%s%s), put there after "
-                       "initialize: they train through their masters instead, which take their places",
+        logger.warning("ampinit: %s.param_groups held %d 16-bit parameter(s) with no master (%s%s), put there "
+                       "or cast after initialize: they train through their masters instead, which take their places",
                        type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
                        ", ..." if len(strays) > 3 else "")
 

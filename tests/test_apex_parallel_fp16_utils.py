@@ -575,3 +575,59 @@ def test_fp16_optimizer_has_apexs_group_lists():
     for fp16, fp32 in zip(sum(opt.fp16_groups, []), sum(opt.fp32_from_fp16_groups, [])):
         assert fp32.dtype == torch.float32 and torch.equal(fp32, fp16.float())
     assert all(a is b for a, b in zip(sum(opt.fp32_from_fp16_groups, []), opt.all_fp32_from_fp16_params))
+
+
+def test_fp16_optimizer_state_dict_lays_out_live_masters_per_group_as_apex():
+    """From a review of sparse_learning (Masking.init_optimizer zips model.named_parameters() with
+    optimizer.state_dict()['fp32_from_fp16'][0] and masks those masters in place): ampinit saved
+    one flat list of clones, so the zip paired names with the wrong tensors, or raised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5)).half()
+    inner = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}],
+                            lr=0.1, momentum=0.9)
+    opt = fp16_utils.FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False)
+    saved = opt.state_dict()["fp32_from_fp16"]
+    assert [[tuple(t.shape) for t in group] for group in saved] == [[(64, 20), (64,)], [(5, 64), (5,)]]
+    assert all(a is b for group, mine in zip(saved, opt.fp32_from_fp16_groups) for a, b in zip(group, mine))
+
+
+def test_fp16_optimizer_wrapped_before_model_half_resumes_bit_for_bit():
+    """sparse_learning's order: FP16_Optimizer over FP32 parameters, then model.half().  The masters
+    come at the first backward, so a fresh optimizer loading a checkpoint before its first step
+    had none and refused it as mismatched; apex's own checkpoint of that order has no masters."""
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(12, 16, 8, generator=g), torch.randn(12, 16, 2, generator=g)
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                        dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 1024.0},
+                                        verbose=False)
+        return model.half(), opt
+
+    def train(model, opt, steps):
+        for i in steps:
+            opt.zero_grad()
+            opt.backward(((model(xs[i].half()).float() - ys[i]) ** 2).mean())
+            opt.step()
+
+    def uninterrupted(round_masters_at_6):
+        model, opt = build()
+        train(model, opt, range(6))
+        if round_masters_at_6:  # what a checkpoint without masters leaves: the model's rounding
+            with torch.no_grad():
+                for master in opt.all_fp32_from_fp16_params:
+                    master.copy_(master.half())
+        train(model, opt, range(6, 12))
+        return [p.detach().clone() for p in model.parameters()]
+
+    model, opt = build()
+    train(model, opt, range(6))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for checkpoint, rounded in ((saved["opt"], False), (dict(saved["opt"], fp32_from_fp16=[[]]), True)):
+        resumed, resumed_opt = build()  # ours, then apex's layout of that order (no masters)
+        resumed.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(copy.deepcopy(checkpoint))  # torch.optim trains the loaded tensors in place
+        train(resumed, resumed_opt, range(6, 12))
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted(rounded), resumed.parameters()))

@@ -393,12 +393,15 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         return self._scaler.dynamic
 
     def state_dict(self) -> Dict[str, Any]:
-        """The optimizer's state, the loss scale's, and the FP32 masters (a host sync)."""
+        """The optimizer's state, the loss scale's, and the FP32 masters as apex laid them out:
+        ``fp32_from_fp16`` holds one list per param group of the live masters (sparse_learning
+        masks them in place through it).  A host sync."""
+        self._handle.put_masters_back(self.optimizer)  # parameters cast after the wrap (model.half())
         return {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
                 "overflow": self.overflow, "first_closure_call_this_step": True,
                 "cur_iter": self.loss_scaler.cur_iter, "last_overflow_iter": self.loss_scaler.last_overflow_iter,
                 "optimizer_state_dict": self.optimizer.state_dict(),
-                "fp32_from_fp16": [p.detach().clone() for p in self.all_fp32_from_fp16_params]}
+                "fp32_from_fp16": self.fp32_from_fp16_groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or what apex's ``FP16_Optimizer.state_dict()``
@@ -415,9 +418,19 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         masters = state_dict.get("fp32_from_fp16", [])
         if all(isinstance(group, (list, tuple)) for group in masters):  # apex: one list per param group
             masters = [master for group in masters for master in group]
+        self._handle.put_masters_back(self.optimizer)  # parameters cast after the wrap (model.half())
         mine = self.all_fp32_from_fp16_params
+        if not masters and mine:
+            # apex wrapped FP32 parameters and trained them as they were after model.half(): it
+            # saved no masters.  Ours take the model's values, loaded before (apex's order).
+            logger.info("ampinit: the FP16_Optimizer checkpoint has no FP32 masters (apex wrapped the parameters "
+                        "before model.half()): the masters take the model's values")
+            masters = [model.detach().float() for model in self.all_fp16_params]
         if len(masters) != len(mine) or any(a.shape != b.shape for a, b in zip(masters, mine)):
-            raise ValueError("the checkpoint's fp32_from_fp16 masters do not match this optimizer's parameters")
+            raise ValueError(
+                f"the checkpoint's fp32_from_fp16 masters ({len(masters)}) do not match this optimizer's "
+                f"({len(mine)} parameters with FP32 masters, in param_groups order): build the optimizer over the "
+                "same parameters, in the same order, as the run that saved it")
         if isinstance(scaler_state, dict):
             self._scaler.check_state_dict(scaler_state)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
