@@ -166,6 +166,27 @@ def _first_conflict(model: nn.Module, trained: set, config: AmpConfig) -> Option
     return None
 
 
+def _check_no_16_bit_training_without_masters(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                                              config: AmpConfig) -> None:
+    """A model cast to fp16/bf16 before ``initialize`` at a level that neither casts nor keeps
+    masters (O0, O1, O4) would have its optimizers update the 16-bit weights directly, where most
+    small updates round away (48 % of an embedding never moved in 100 SGD steps).  apex refused
+    it too ("you do not need to call .half() on your model")."""
+    if config.master_weights or config.casts_model:
+        return
+    names = {id(p): name for model in models for name, p in model.named_parameters()}
+    low = [p for opt in optimizers for group in opt.param_groups for p in group["params"]
+           if p.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        name = names.get(id(low[0]), "a parameter")
+        raise ValueError(
+            f"{name} is {low[0].dtype} ({len(low)} trained parameter(s) are 16-bit), and opt_level="
+            f"{config.opt_level!r} keeps no FP32 master weights: the optimizer would update the 16-bit weights "
+            "directly, and most small updates would round away.  Pass the model in FP32: ampinit casts what the "
+            "level casts, you do not need model.half().  Or use O2 (O5 for bfloat16), whose FP32 masters cover "
+            "parameters you cast yourself")
+
+
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
     """A lazy module's parameters have no shape until its first forward: they can be neither
     cast nor given an FP32 master, and finding that out half-way would leave the model cast."""
@@ -300,6 +321,7 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
     inner = [amp_optimizer.inner_optimizer(opt) for opt in opt_list]
     _check_optimizers(inner, device, config)
     trained = {id(p) for opt in inner for group in opt.param_groups for p in group["params"]}
+    _check_no_16_bit_training_without_masters(model_list, inner, config)
     for model in model_list:
         _check_nothing_shared_with_another_initialization(model, trained, config)
 
