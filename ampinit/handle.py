@@ -338,6 +338,8 @@ class AmpHandle:
         # last one; amp (and ampinit) at every unscale.  See update_scale_at_step.
         self.scale_updates_at_step = False
         self._reported: Dict[torch.Tensor, torch.dtype] = {}  # see _apply
+        # (model, its modules with state_dict hooks of their own): see _hook_modules_holding
+        self._module_hooks: List[tuple] = []
         self.ended = False
         self._bindings: List[OptimizerBinding] = []
         self._hooks: list = []
@@ -665,6 +667,7 @@ class AmpHandle:
             raise
         for param in new:
             self._reported.setdefault(param, torch.float32)  # see _apply
+        self._hook_modules_holding(new)
         _mark_parameters(params, self._link)  # a module added to the model since is held too
         self._added_params.extend(params)
 
@@ -700,6 +703,7 @@ class AmpHandle:
             group["params"] = [mapping.get(p, p) for p in group["params"]]
         _remap_state(optimizer, {p: m for p, m in mapping.items() if m is not p}, torch.float32)
         self._reported.update((p, torch.float32) for p in strays if p not in self._reported)
+        self._hook_modules_holding(strays)
         logger.warning("ampinit: %s.param_groups held %d 16-bit parameter(s) with no master (%s%s), put there "
                        "or cast after initialize: they train through their masters instead, which take their places",
                        type(optimizer).__name__, len(strays), ", ".join(self.param_name(p) for p in strays[:3]),
@@ -748,6 +752,23 @@ class AmpHandle:
                 "Pass it to ampinit.initialize (ampinit.end(model) first to initialize again).  Logged once",
                 name, self.config.opt_level)
 
+    def _hook_modules_holding(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Give the modules of the models that hold ``tensors`` (parameters that got masters after
+        ``initialize``: a head added with ``add_param_group``, a layer cast by the user and
+        unfrozen later) the state_dict hooks of their own that ``initialize`` gave the others,
+        so that ``module.state_dict()`` called on them reports the FP32 values as
+        ``model.state_dict()`` does."""
+        targets = {id(t) for t in tensors}
+        for model, later_modules in self._module_hooks:
+            for module in model.modules():
+                if module in later_modules.hooked:
+                    continue
+                held = list(module._parameters.values()) + list(module._buffers.values())
+                if any(t is not None and id(t) in targets for t in held):
+                    later_modules.hooked.add(module)
+                    self._hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link)))
+                    self._hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link)))
+
     def _check_held_by_no_other(self, params: List[torch.Tensor]) -> None:
         """16-bit parameters that another live initialization holds (cast, or keeps a master of)
         must not get a second master here: each optimizer's updates would reach the other only
@@ -782,6 +803,7 @@ class AmpHandle:
         root serves the modules made later."""
         hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
         later_modules = _ModulesMadeLater()
+        self._module_hooks.append((model, later_modules))
         for module in model.modules():
             hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link)))
             if not _cast_tensors_of(module, original):

@@ -369,6 +369,9 @@ def test_masters_ampinit_did_not_cast_are_in_the_state_dict_and_resume_bit_for_b
     for name in names:
         master = opt.amp._master_of(model.get_parameter(name))
         assert saved["model"][name].dtype == torch.float32 and torch.equal(saved["model"][name], master), name
+        # and through the submodule's own state_dict() (from the review: 16-bit for a head added later)
+        owner, _, leaf = name.rpartition(".")
+        assert torch.equal(model.get_submodule(owner).state_dict()[leaf], master), name
     _train_masters_outside(model, opt, 10)
 
     resumed, resumed_opt = _masters_outside_the_cast(level, how)
