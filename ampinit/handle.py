@@ -508,6 +508,13 @@ class AmpHandle:
             for group in binding.optimizer.param_groups:
                 yield from group["params"]
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """What the optimizers update for the model parameter ``param``: its FP32 master at
+        O2/O5 (the tensor in ``param_groups``), else ``param`` itself.  For code that finds a
+        layer's parameters in ``param_groups`` by identity (``id(p)``, ``is``)."""
+        master = self._master_of(param)
+        return param if master is None else master
+
     def _master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The FP32 master of a model parameter, or ``None``."""
         master = self.masters.master_of(param) if self.masters is not None else None

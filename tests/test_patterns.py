@@ -978,3 +978,23 @@ def test_a_plain_16_bit_tensor_trains_like_a_parameter(level, when):
     param, param_model = run(True)
     assert not torch.equal(plain, torch.ones_like(plain))
     assert torch.equal(plain, param) and all(torch.equal(a, b) for a, b in zip(plain_model, param_model))
+
+
+def test_master_of_finds_a_layer_in_param_groups_by_identity():
+    """From a review: dropping a layer from param_groups by the ids of its model parameters
+    removed nothing at O2 (the groups hold masters), and the layer kept training.  master_of
+    gives what the groups hold, at every level."""
+    for level in ("O1", "O2", "O5"):
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        drop = {id(opt.amp.master_of(p)) for p in model[0].parameters()}
+        for group in opt.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in drop]
+        before = model[0].weight.detach().clone()
+        x, y = batch(0, n=16)
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert sum(len(g["params"]) for g in opt.param_groups) == 2 and torch.equal(model[0].weight, before), level
+        amp.end(model)
