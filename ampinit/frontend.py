@@ -166,25 +166,25 @@ def _first_conflict(model: nn.Module, trained: set, config: AmpConfig) -> Option
     return None
 
 
-def _check_no_16_bit_training_without_masters(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                                              config: AmpConfig) -> None:
+def _warn_of_16_bit_training_without_masters(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                                             config: AmpConfig) -> None:
     """A model cast to fp16/bf16 before ``initialize`` at a level that neither casts nor keeps
-    masters (O0, O1, O4) would have its optimizers update the 16-bit weights directly, where most
-    small updates round away (48 % of an embedding never moved in 100 SGD steps).  apex refused
-    it too ("you do not need to call .half() on your model")."""
+    masters (O1, O4; O0 casts it to FP32) has its optimizers update the 16-bit weights directly, where most small
+    updates round away (48 % of an embedding never moved in 100 SGD steps).  apex refused fp16
+    parameters at every level unless told otherwise; pure-bf16 training is a choice some make,
+    so this is logged (at any verbosity), not refused."""
     if config.master_weights or config.casts_model:
         return
     names = {id(p): name for model in models for name, p in model.named_parameters()}
     low = [p for opt in optimizers for group in opt.param_groups for p in group["params"]
-           if p.dtype in (torch.float16, torch.bfloat16)]
+           if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
     if low:
-        name = names.get(id(low[0]), "a parameter")
-        raise ValueError(
-            f"{name} is {low[0].dtype} ({len(low)} trained parameter(s) are 16-bit), and opt_level="
-            f"{config.opt_level!r} keeps no FP32 master weights: the optimizer would update the 16-bit weights "
-            "directly, and most small updates would round away.  Pass the model in FP32: ampinit casts what the "
-            "level casts, you do not need model.half().  Or use O2 (O5 for bfloat16), whose FP32 masters cover "
-            "parameters you cast yourself")
+        logger.warning(
+            "ampinit: %s is %s (%d trained parameter(s) are 16-bit), and opt_level=%r keeps no FP32 master weights: "
+            "the optimizer updates the 16-bit weights directly, and most small updates round away.  Pass the model "
+            "in FP32 (ampinit casts what the level casts: no model.half() needed), or use O2 (O5 for bfloat16), "
+            "whose FP32 masters cover parameters you cast yourself", names.get(id(low[0]), "a parameter"),
+            low[0].dtype, len(low), config.opt_level)
 
 
 def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
@@ -321,11 +321,11 @@ def initialize(models: Union[nn.Module, Sequence[nn.Module]],
     inner = [amp_optimizer.inner_optimizer(opt) for opt in opt_list]
     _check_optimizers(inner, device, config)
     trained = {id(p) for opt in inner for group in opt.param_groups for p in group["params"]}
-    _check_no_16_bit_training_without_masters(model_list, inner, config)
     for model in model_list:
         _check_nothing_shared_with_another_initialization(model, trained, config)
 
     handle = AmpHandle(config, model_list, inner, device)
+    _warn_of_16_bit_training_without_masters(model_list, inner, config)
     _remember(handle)
     if optimizers is None:
         return _shaped(model_list, model_shape)

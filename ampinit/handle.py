@@ -14,6 +14,7 @@ code) for that reason alone.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -123,22 +124,37 @@ class _ModuleHook:
 
 def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     """The live initializations whose models or optimizers hold ``param`` (a weight tied into
-    another model is found here, where its module is not)."""
-    links = [mark.link for mark in param.__dict__.get(_PARAM_ATTR, ()) if isinstance(mark, _WeakLink)]
-    return [link.handle for link in links if link is not None and link.handle is not None]
+    another model is found here, where its module is not).  Marks of initializations that are
+    gone are dropped on the way (dropped folds sharing a backbone would pile them up)."""
+    marks = param.__dict__.get(_PARAM_ATTR)
+    if not marks:
+        return []
+    handles = []
+    for mark in marks:
+        link = mark.link if isinstance(mark, _WeakLink) else None
+        if link is not None and link.handle is not None:
+            handles.append(link.handle)
+    if len(handles) < len(marks):
+        marks[:] = [mark for mark in marks if isinstance(mark, _WeakLink) and mark.link is not None
+                    and mark.link.handle is not None]
+    return handles
 
 
 def _check_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook (see :func:`watch_foreign_steps`): an optimizer that no ``initialize``
     bound, stepping parameters a live initialization holds (a stage-2 optimizer built over
-    ``model.parameters()`` after ``initialize``), is checked by each such initialization."""
-    if amp_optimizer.binding_of(optimizer) is not None:
-        return
+    ``model.parameters()`` after ``initialize``), is checked once by each such initialization,
+    with the parameters of its that the optimizer holds.  One dict lookup per parameter."""
+    if torch.compiler.is_compiling() or amp_optimizer.binding_of(optimizer) is not None:
+        return  # (a compiled step: dynamo cannot trace parameters' __dict__)
+    held: Dict[int, tuple] = {}
     for group in getattr(optimizer, "param_groups", None) or ():
         for param in group["params"]:
             if _PARAM_ATTR in param.__dict__:
                 for handle in handles_holding_parameter(param):
-                    handle.check_foreign_step(optimizer)
+                    held.setdefault(id(handle), (handle, []))[1].append(param)
+    for handle, params in held.values():
+        handle.check_foreign_step(optimizer, params)
 
 
 _FOREIGN_STEP_HOOK = None  # torch's handle of the hook, registered once (the first initialize)
@@ -727,37 +743,41 @@ class AmpHandle:
         reports them in (see ``_apply``)."""
         return self._reported
 
-    def check_foreign_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer``, which no ``initialize`` bound, is about to step parameters of this
-        initialization's models.  With masters (O2/O5) that is always wrong: it would update the
-        16-bit model behind its masters, with gradients still multiplied by the loss scale (NaN
-        after one step); it raises before the update.  At O1 it misses every overflow skip and
-        leaves unscaled only the gradients of the bound optimizers: logged once per optimizer.
-        A wrapper that shares a bound optimizer's ``param_groups`` (SAM, LARC, Lookahead) or one
-        that a bound optimizer steps (ZeroRedundancyOptimizer's) is the bound optimizer's own."""
+    def check_foreign_step(self, optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
+        """``optimizer``, which no ``initialize`` bound, is about to step ``params``, which this
+        initialization holds.  Where one of them has an FP32 master that a bound optimizer
+        updates (O2/O5), that is always wrong: it would update the 16-bit weight behind its
+        master, with the scaled gradient O2 leaves on it (NaN after one step), so it raises
+        before the update.  Otherwise, where this initialization scales losses (O1, or a static
+        scale other than 1), the step skips no overflow, and a gradient no bound optimizer holds
+        stays scaled: logged once per optimizer.  An optimizer stepped while a bound one steps
+        (a wrapper's base, ZeroRedundancyOptimizer's local one) or one sharing a bound one's
+        ``param_groups`` (SAM, LARC, Lookahead) is the bound optimizer's own."""
         for binding in self._bindings:
-            if binding.optimizer.param_groups is optimizer.param_groups or \
-                    amp_optimizer.delegating_optimizer(binding.optimizer) is optimizer:
+            if binding.step_due or binding.decided or binding.optimizer.param_groups is optimizer.param_groups:
                 return
         name = type(optimizer).__name__
         if self.masters is not None:
-            raise RuntimeError(
-                f"{name}.step(): this optimizer was not passed to ampinit.initialize, but it updates parameters of "
-                f"a model that an initialization at opt_level={self.config.opt_level!r} set up and has not ended.  "
-                "There the optimizer initialize returned updates FP32 master weights and copies them into the "
-                "16-bit model, and the model's gradients are multiplied by the loss scale: this step would update "
-                "the 16-bit weights directly with those gradients.  To train with a new optimizer (a second "
-                "stage), end the initialization and initialize again: ampinit.end(model); model, optimizer = "
-                "ampinit.initialize(model, optimizer, ...); or add the parameters to the initialized optimizer "
-                "(add_param_group).  Nothing was updated")
-        if self.config.dynamic_loss_scale and self.optimizers and not optimizer.__dict__.get(_WARNED_FOREIGN):
+            trained = [p for p in params if self.masters.updated_by_an_optimizer(p)]
+            if trained:
+                raise RuntimeError(
+                    f"{name}.step(): this optimizer was not passed to ampinit.initialize, but it updates "
+                    f"{self.param_name(trained[0])}, which an initialization at opt_level={self.config.opt_level!r} "
+                    "set up and has not ended: there the optimizer initialize returned updates its FP32 master and "
+                    "copies it into the 16-bit model, whose gradient is multiplied by the loss scale, and this step "
+                    "would update the 16-bit weight directly with it.  To train with a new optimizer (a second "
+                    "stage), end the initialization and initialize again: ampinit.end(model); model, optimizer = "
+                    "ampinit.initialize(model, optimizer, ...); or add the parameters to the initialized optimizer "
+                    "(add_param_group).  Nothing was updated")
+        scales = self.config.dynamic_loss_scale or self.config.loss_scale != 1.0
+        if scales and self.optimizers and not optimizer.__dict__.get(_WARNED_FOREIGN):
             optimizer.__dict__[_WARNED_FOREIGN] = True
             logger.warning(
                 "ampinit: %s.step(): this optimizer was not passed to ampinit.initialize, but it updates parameters "
-                "of a model initialized at opt_level=%r: its steps are not skipped when a gradient overflows "
-                "(inf/NaN reach the weights), and gradients that only it holds stay multiplied by the loss scale.  "
-                "Pass it to ampinit.initialize (ampinit.end(model) first to initialize again).  Logged once",
-                name, self.config.opt_level)
+                "of a model initialized at opt_level=%r, which scales its losses: its steps are not skipped when a "
+                "gradient overflows (inf/NaN reach the weights), and a gradient that only it holds stays multiplied "
+                "by the loss scale after scale_loss.  Pass it to ampinit.initialize (ampinit.end(model) first to "
+                "initialize again).  Logged once", name, self.config.opt_level)
 
     def _hook_modules_holding(self, tensors: Iterable[torch.Tensor]) -> None:
         """Give the modules of the models that hold ``tensors`` (parameters that got masters after
@@ -780,15 +800,23 @@ class AmpHandle:
         """16-bit parameters that another live initialization holds (cast, or keeps a master of)
         must not get a second master here: each optimizer's updates would reach the other only
         through the rounding (see ``frontend._check_nothing_shared_with_another_initialization``)."""
-        for param in params:
-            others = [h for h in handles_holding_parameter(param) if h is not self]
-            if others:
-                raise RuntimeError(
-                    f"a {param.dtype} parameter given to this optimizer belongs to a model that another ampinit "
-                    f"initialization (opt_level={others[0].config.opt_level!r}) set up and has not ended: it would "
-                    "get a second FP32 master, and each optimizer's updates would reach the other only through the "
-                    "16-bit rounding.  Initialize the models together, or end the other initialization first "
-                    "(ampinit.end(other_model)).  Nothing was changed")
+        def other_level() -> Optional[str]:  # a string: no reference to keep a dropped one alive
+            for param in params:
+                for handle in handles_holding_parameter(param):
+                    if handle is not self:
+                        return handle.config.opt_level
+            return None
+
+        level = other_level()
+        if level is not None:  # the other model may be dropped, alive only in a reference cycle
+            gc.collect()
+            level = other_level()
+        if level is not None:
+            raise RuntimeError(
+                f"a 16-bit parameter given to this optimizer belongs to a model that another ampinit initialization "
+                f"(opt_level={level!r}) set up and has not ended: it would get a second FP32 master, and each "
+                "optimizer's updates would reach the other only through the 16-bit rounding.  Initialize the models "
+                "together, or end the other initialization first (ampinit.end(other_model)).  Nothing was changed")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def report_fp32_value(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,

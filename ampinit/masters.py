@@ -478,6 +478,11 @@ class MasterWeights:
         self._updated.add(param)
         return master
 
+    def updated_by_an_optimizer(self, param: torch.Tensor) -> bool:
+        """Whether an optimizer of this initialization updates ``param``'s master (or, kept as
+        remainders, ``param`` itself)."""
+        return param in self._updated
+
     @property
     def stepped_in_place(self) -> set:
         """The ids of the low-precision parameters an optimizer updates itself, legitimately:

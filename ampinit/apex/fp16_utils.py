@@ -420,7 +420,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
             masters = [master for group in masters for master in group]
         self._handle.put_masters_back(self.optimizer)  # parameters cast after the wrap (model.half())
         mine = self.all_fp32_from_fp16_params
-        if not masters and mine:
+        if "fp32_from_fp16" in state_dict and not masters and mine:
             # apex wrapped FP32 parameters and trained them as they were after model.half(): it
             # saved no masters.  Ours take the model's values, loaded before (apex's order).
             logger.info("ampinit: the FP16_Optimizer checkpoint has no FP32 masters (apex wrapped the parameters "
