@@ -206,6 +206,9 @@ class OptimizerBinding:
             if self.flow.fused:
                 self.optimizer.__dict__["_ampinit_step_inputs"] = self.fused_inputs()
             result = run_update()
+        except BaseException:
+            self.step_due = False  # no update finished: nothing is inside this step any more
+            raise
         finally:
             self.decided = False
             self.optimizer.__dict__.pop("_ampinit_step_inputs", None)

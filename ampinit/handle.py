@@ -745,20 +745,23 @@ class AmpHandle:
 
     def check_foreign_step(self, optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
         """``optimizer``, which no ``initialize`` bound, is about to step ``params``, which this
-        initialization holds.  Where one of them has an FP32 master that a bound optimizer
-        updates (O2/O5), that is always wrong: it would update the 16-bit weight behind its
-        master, with the scaled gradient O2 leaves on it (NaN after one step), so it raises
-        before the update.  Otherwise, where this initialization scales losses (O1, or a static
-        scale other than 1), the step skips no overflow, and a gradient no bound optimizer holds
-        stays scaled: logged once per optimizer.  An optimizer stepped while a bound one steps
-        (a wrapper's base, ZeroRedundancyOptimizer's local one) or one sharing a bound one's
-        ``param_groups`` (SAM, LARC, Lookahead) is the bound optimizer's own."""
-        for binding in self._bindings:
-            if binding.step_due or binding.decided or binding.optimizer.param_groups is optimizer.param_groups:
-                return
+        initialization holds.  Where one of them is a 16-bit parameter with an FP32 master (O2/O5)
+        and this initialization has optimizers (or one trains that master), that is always wrong:
+        it would update the 16-bit weight behind its master, with the scaled gradient O2 leaves on
+        it (NaN after one step), so it raises before the update.  (Initialized without optimizers,
+        for inference, the model may be adapted by a plain optimizer and backward: ampinit adopts
+        the writes.)  Otherwise, where this initialization scales losses (O1, or a static scale
+        other than 1), the step skips no overflow, and a gradient no bound optimizer holds stays
+        scaled: logged once per optimizer, except for an optimizer stepped while a bound one
+        steps (a wrapper's base, ZeroRedundancyOptimizer's local one) or one sharing a bound
+        one's ``param_groups`` (SAM, LARC, Lookahead): the bound optimizer's own."""
         name = type(optimizer).__name__
         if self.masters is not None:
-            trained = [p for p in params if self.masters.updated_by_an_optimizer(p)]
+            # a 16-bit parameter with a master, where losses are scaled (this initialization has
+            # optimizers) or its master trained: never right, nested in a bound step or not (a
+            # wrapper's base holds masters, which carry no mark)
+            trained = [p for p in params if p in self.masters
+                       and (self.optimizers or self.masters.updated_by_an_optimizer(p))]
             if trained:
                 raise RuntimeError(
                     f"{name}.step(): this optimizer was not passed to ampinit.initialize, but it updates "
@@ -769,6 +772,9 @@ class AmpHandle:
                     "stage), end the initialization and initialize again: ampinit.end(model); model, optimizer = "
                     "ampinit.initialize(model, optimizer, ...); or add the parameters to the initialized optimizer "
                     "(add_param_group).  Nothing was updated")
+        for binding in self._bindings:
+            if binding.step_due or binding.decided or binding.optimizer.param_groups is optimizer.param_groups:
+                return  # the bound optimizer's own: its step skips overflows for both
         scales = self.config.dynamic_loss_scale or self.config.loss_scale != 1.0
         if scales and self.optimizers and not optimizer.__dict__.get(_WARNED_FOREIGN):
             optimizer.__dict__[_WARNED_FOREIGN] = True

@@ -1084,3 +1084,24 @@ def test_marks_of_dropped_initializations_are_dropped_and_their_parameters_can_b
         opt.add_param_group({"params": [weight]})  # the donor's initialization is garbage: accepted
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("where", ["after_step", "in_a_post_step_hook"])
+def test_a_new_optimizer_for_a_backbone_frozen_at_initialize_is_refused(where):
+    """From the review: stage 1 trains the head of an O2 model, stage 2 unfreezes the backbone
+    with a new optimizer.  No bound optimizer trains the backbone's masters, so the check let it
+    through, and it stepped the fp16 weights with scaled gradients (78 in one lr=0.01 step).
+    Stepped from the bound optimizer's post-step hook it was exempt too."""
+    model = mlp(0)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.01)
+    model, head = amp.initialize(model, head, opt_level="O2", verbosity=0)
+    backbone = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    if where == "in_a_post_step_hook":
+        head.register_step_post_hook(lambda *args: backbone.step())
+    x, y = batch(0, n=16)
+    with amp.scale_loss(((model(x).float() - y) ** 2).mean(), head) as scaled:
+        scaled.backward()
+    before = model[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="was not passed to ampinit.initialize, but it updates 0.weight"):
+        head.step() if where == "in_a_post_step_hook" else backbone.step()
+    assert torch.equal(model[0].weight, before)
