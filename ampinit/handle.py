@@ -78,10 +78,17 @@ def handles_holding(module: nn.Module) -> List["AmpHandle"]:
     where a module is shared by initializations that may share it (O0/O1/O4, or a frozen teacher)."""
     own = handle_of_model(module)
     found = [] if own is None else [own]
-    for hook in module._load_state_dict_pre_hooks.values():
+    dead = []
+    for key, hook in module._load_state_dict_pre_hooks.items():
         hook = getattr(hook, "hook", hook)  # torch wraps hooks registered with_module
-        if isinstance(hook, _RefuseAssign) and hook.link.handle is not None and hook.link.handle not in found:
+        if not isinstance(hook, _RefuseAssign):
+            continue
+        if hook.link.handle is None:
+            dead.append(key)  # of an initialization that is gone: dropped on the way
+        elif hook.link.handle not in found:
             found.append(hook.link.handle)
+    for key in dead:
+        del module._load_state_dict_pre_hooks[key]
     return found
 
 
@@ -799,6 +806,8 @@ class AmpHandle:
                 held = list(module._parameters.values()) + list(module._buffers.values())
                 if any(t is not None and id(t) in targets for t in held):
                     later_modules.hooked.add(module)
+                    if self not in handles_holding(module):  # made after initialize: refuse assign=True too
+                        self._hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link)))
                     self._hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link)))
                     self._hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link)))
 

@@ -476,6 +476,9 @@ def test_initializations_sharing_a_module_are_freed_when_dropped():
     gc.collect()
     assert all(ref() is None for ref in dropped)
     assert backbone.weight.dtype == torch.float16  # the O2 initialization holds it now
+    amp.handle_of(backbone)  # the dropped folds' hooks are pruned on the way: the O2 one is left
+    refusals = [getattr(h, "hook", h) for h in backbone._load_state_dict_pre_hooks.values()]
+    assert [type(h).__name__ for h in refusals].count("_RefuseAssign") == 1
 
 
 @pytest.mark.parametrize("level, dtype", [("O1", torch.float16), ("O4", torch.bfloat16), ("O1", torch.bfloat16)])
@@ -530,3 +533,18 @@ def test_a_weight_tied_through_several_initializations_keeps_every_owner():
         amp.initialize(nn.Sequential(head), torch.optim.SGD(head.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     amp.end(a)
     assert "_ampinit_held_by" not in head.weight.__dict__ and "_ampinit_held_by" not in a.weight.__dict__
+
+
+def test_assign_into_a_module_added_after_initialize_is_refused():
+    """From a review: load_state_dict(..., assign=True) on a head added after initialize (cast, then
+    add_param_group) was not refused, as it is on the modules initialize saw: it swapped FP32
+    tensors in place of the 16-bit ones, away from their masters.  Refused, nothing loaded."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model.add_module("extra", nn.Linear(2, 2).half())
+    opt.add_param_group({"params": model.extra.parameters()})
+    weight = model.extra.weight
+    with pytest.raises(RuntimeError, match=r"assign=True\) would replace weight, bias"):
+        model.extra.load_state_dict(nn.Linear(2, 2).state_dict(), assign=True)
+    assert model.extra.weight is weight and weight.dtype == torch.float16
