@@ -81,11 +81,18 @@ class BackwardWatch:
         self.reached = False
         self._on_reach = on_reach
         if scaled_loss.requires_grad:
-            scaled_loss.register_hook(self._reach)
+            # Weakly: autograd keeps the hooks of the process's first scaled loss past its graph
+            # (in C++, out of the collector's sight), and through on_reach they held that
+            # initialization (model, optimizer and all) for good.  scale_loss holds the watch.
+            watch = weakref.ref(self)
+            scaled_loss.register_hook(lambda grad: _reach(watch))
 
-    def _reach(self, grad: torch.Tensor) -> None:
-        self.reached = True
-        self._on_reach()
+
+def _reach(watch: "weakref.ref[BackwardWatch]") -> None:
+    live = watch()
+    if live is not None:
+        live.reached = True
+        live._on_reach()
 
 
 class _Pending:
