@@ -11,7 +11,6 @@ alive); with several live initializations, call the handle's own methods instead
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import weakref
 from collections import OrderedDict
@@ -23,7 +22,7 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, handle_of_model, handles_holding, handles_holding_parameter
+from .handle import AmpHandle, found_after_collecting, handle_of_model, handles_holding, handles_holding_parameter
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",
@@ -126,12 +125,7 @@ def _check_nothing_shared_with_another_initialization(model: nn.Module, trained:
     and where the other initialization has no optimizer and this one trains none of the shared
     parameters (a frozen teacher initialized for inference, inside a student).  ``trained``:
     the ids of the parameters this initialization's optimizers hold."""
-    conflict = _first_conflict(model, trained, config)
-    if conflict is not None:
-        # the earlier model may be dropped already, alive only in a reference cycle (with its
-        # optimizer) that the garbage collector has not reached: collect, and look again
-        gc.collect()
-        conflict = _first_conflict(model, trained, config)
+    conflict = found_after_collecting(lambda: _first_conflict(model, trained, config))
     if conflict is not None:
         what, opt_level = conflict
         raise RuntimeError(
@@ -388,12 +382,10 @@ def handle_of(obj: Any = None) -> AmpHandle:
         if binding is not None:
             return binding.handle
     elif isinstance(obj, nn.Module):
-        holding = handles_holding(obj)  # the model, or any module of it
-        if len(holding) > 1 and handle_of_model(obj) is None:
-            holding = None  # no reference of ours may keep them alive through the collection
-            gc.collect()  # initializations of models already dropped live on in reference cycles
-            holding = handles_holding(obj)
-        if len(holding) > 1 and handle_of_model(obj) is None:
+        # the model (its own initialization comes first), or any module of it
+        shared = handle_of_model(obj) is None and found_after_collecting(lambda: len(handles_holding(obj)) > 1)
+        holding = handles_holding(obj)
+        if shared:
             raise RuntimeError(
                 f"this {type(obj).__name__} belongs to {len(holding)} live ampinit initializations (a module "
                 "shared by models initialized separately): pass the model or the optimizer of the one you mean")

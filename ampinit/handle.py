@@ -33,7 +33,8 @@ from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_parameter"]
+__all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_parameter",
+           "found_after_collecting"]
 
 logger = logging.getLogger("ampinit")
 _MODEL_ATTR = "_ampinit_handle"
@@ -127,6 +128,19 @@ class _ModuleHook:
     @property
     def link(self) -> _HandleLink:
         return self._strong or self._weak.link or _DEAD_LINK
+
+
+def found_after_collecting(look: Callable[[], Any]) -> Any:
+    """``look()``; where it finds something, ``look()`` again after the garbage collector ran.
+    An initialization whose model and optimizer were dropped lives on in their reference cycle
+    (model, link, handle, optimizer) until the collector reaches it, and must not be found.
+    ``look`` must return nothing that keeps an initialization alive (a string, a flag): a
+    reference held across the collection would defeat it."""
+    found = look()
+    if found:
+        gc.collect()
+        found = look()
+    return found
 
 
 def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
@@ -822,10 +836,7 @@ class AmpHandle:
                         return handle.config.opt_level
             return None
 
-        level = other_level()
-        if level is not None:  # the other model may be dropped, alive only in a reference cycle
-            gc.collect()
-            level = other_level()
+        level = found_after_collecting(other_level)
         if level is not None:
             raise RuntimeError(
                 f"a 16-bit parameter given to this optimizer belongs to a model that another ampinit initialization "
