@@ -22,7 +22,8 @@ from torch.nn.parameter import is_lazy
 
 from . import distributed
 from . import optimizer as amp_optimizer
-from .handle import AmpHandle, found_after_collecting, handle_of_model, handles_holding, handles_holding_parameter
+from .handle import AmpHandle
+from .links import found_after_collecting, handle_of_model, handles_holding, handles_holding_parameter
 from .opt_levels import AmpConfig, resolve_config
 
 __all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "end",

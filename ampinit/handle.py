@@ -2,8 +2,9 @@
 
 The handle is reachable from the optimizer (``optimizer.amp``) and from the model (through a
 link that copies and pickles as a dead link, so a deep copy of the model does not drag the
-optimizer along); module-level state holds at most a weak reference to the latest one, so any
-number of initializations coexist and a dropped model frees its handle.
+optimizer along; see :mod:`ampinit.links`, with the hooks it puts on the model); module-level
+state holds at most a weak reference to the latest one, so any number of initializations
+coexist and a dropped model frees its handle.
 :meth:`AmpHandle.end` undoes an initialization.
 
 Under the ``apex`` alias ``apex.amp`` is ``ampinit``, so ``amp.handle`` is this module: it
@@ -14,341 +15,36 @@ code) for that reason alone.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import distributed
+from . import distributed, links
 from . import optimizer as amp_optimizer
 from .binding import OptimizerBinding
 from .casting import ModelCasting
 from .grads import BackwardWatch, GradientFlow
+from .links import found_after_collecting, handles_holding, handles_holding_parameter
 from .masters import MasterWeights
 from .opt_levels import AmpConfig
 from .registry import disable_casts  # noqa: F401  (apex's apex.amp.handle.disable_casts; see below)
 from .scaler import LossScaler
 
-__all__ = ["AmpHandle", "handle_of_model", "handles_holding", "handles_holding_parameter",
-           "found_after_collecting"]
+__all__ = ["AmpHandle"]
 
 logger = logging.getLogger("ampinit")
-_MODEL_ATTR = "_ampinit_handle"
-_PARAM_ATTR = "_ampinit_held_by"  # on each parameter of an initialized model: its _WeakLinks
+
+# Models pickled (torch.save(model)) before these moved to .links name them here
+_HandleLink, _WeakLink, _ModulesMadeLater = links.HandleLink, links.WeakLink, links.ModulesMadeLater
+_SaveFP32Values, _LoadFP32Values, _RefuseAssign = links.SaveFP32Values, links.LoadFP32Values, links.RefuseAssign
+_ReportingWindow, _BeforeForward = links.ReportingWindow, links.BeforeForward
 _WARNED_FOREIGN = "_ampinit_warned_foreign_step"  # on an optimizer check_foreign_step logged about
 STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class _DeadWhenCopied:
-    """A reference to an initialization that a copy (``copy``, ``deepcopy``, pickling) of its
-    holder does not share: the copy gets an empty one of the same class."""
-
-    def __reduce__(self):
-        return (type(self), ())
-
-    def __deepcopy__(self, memo: dict) -> "_DeadWhenCopied":
-        return type(self)()
-
-    def __copy__(self) -> "_DeadWhenCopied":
-        return type(self)()
-
-
-class _HandleLink(_DeadWhenCopied):
-    """The model's reference to its handle.  A copy or an unpickled model gets a dead link:
-    it is not initialized, and its copy does not hold the optimizer."""
-
-    def __init__(self, handle: Optional["AmpHandle"] = None):
-        self.handle = handle
-
-
-def handle_of_model(model: nn.Module) -> Optional["AmpHandle"]:
-    link = model.__dict__.get(_MODEL_ATTR)
-    return link.handle if isinstance(link, _HandleLink) else None
-
-
-def handles_holding(module: nn.Module) -> List["AmpHandle"]:
-    """The live initializations ``module`` belongs to: as the model itself (first), or as one of
-    the modules of their models, which all carry their ``_RefuseAssign`` hooks.  Several only
-    where a module is shared by initializations that may share it (O0/O1/O4, or a frozen teacher)."""
-    own = handle_of_model(module)
-    found = [] if own is None else [own]
-    dead = []
-    for key, hook in module._load_state_dict_pre_hooks.items():
-        hook = getattr(hook, "hook", hook)  # torch wraps hooks registered with_module
-        if not isinstance(hook, _RefuseAssign):
-            continue
-        if hook.link.handle is None:
-            dead.append(key)  # of an initialization that is gone: dropped on the way
-        elif hook.link.handle not in found:
-            found.append(hook.link.handle)
-    for key in dead:
-        del module._load_state_dict_pre_hooks[key]
-    return found
-
-
-class _WeakLink(_DeadWhenCopied):
-    """A weak reference to an initialization's link, held by what the initialization does not
-    own: a parameter's mark of the initializations that hold it, and the hooks on the modules of
-    its model.  A parameter that C++ holds too (DDP's reducer, FSDP) must close no reference cycle
-    through the handle, which would then live until the interpreter's shutdown, process group and
-    all; a module shared with a model that was dropped (a backbone reused across folds) must not
-    keep that model's initialization alive.  The model itself and the optimizers hold the link,
-    so it lives while either does.  A copy is dead."""
-
-    def __init__(self, link: Optional[_HandleLink] = None):
-        self._ref = None if link is None else weakref.ref(link)
-
-    @property
-    def link(self) -> Optional[_HandleLink]:
-        return None if self._ref is None else self._ref()
-
-
-_DEAD_LINK = _HandleLink()  # what a module hook sees once its initialization is gone
-
-
-class _ModuleHook:
-    """Base of the hooks an initialization puts on the modules of its model.  Where it cast them
-    (O2/O3/O5) they hold it: it keeps their FP32 values, which ``ampinit.end(module)`` gives back
-    after the model and optimizer were dropped (an encoder kept from a fold).  Otherwise (O0/O1/
-    O4) they reach it through a :class:`_WeakLink` and do nothing once it is gone, so that a
-    module shared with a dropped model does not keep that model's initialization alive."""
-
-    def __init__(self, link: _HandleLink):
-        handle = link.handle
-        self._strong = link if handle is not None and handle.keeps_copies else None
-        self._weak = _WeakLink(link)
-
-    @property
-    def link(self) -> _HandleLink:
-        return self._strong or self._weak.link or _DEAD_LINK
-
-
-def found_after_collecting(look: Callable[[], Any]) -> Any:
-    """``look()``; where it finds something, ``look()`` again after the garbage collector ran.
-    An initialization whose model and optimizer were dropped lives on in their reference cycle
-    (model, link, handle, optimizer) until the collector reaches it, and must not be found.
-    ``look`` must return nothing that keeps an initialization alive (a string, a flag): a
-    reference held across the collection would defeat it."""
-    found = look()
-    if found:
-        gc.collect()
-        found = look()
-    return found
-
-
-def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
-    """The live initializations whose models or optimizers hold ``param`` (a weight tied into
-    another model is found here, where its module is not).  Marks of initializations that are
-    gone are dropped on the way (dropped folds sharing a backbone would pile them up)."""
-    marks = param.__dict__.get(_PARAM_ATTR)
-    if not marks:
-        return []
-    handles = []
-    for mark in marks:
-        link = mark.link if isinstance(mark, _WeakLink) else None
-        if link is not None and link.handle is not None:
-            handles.append(link.handle)
-    if len(handles) < len(marks):
-        marks[:] = [mark for mark in marks if isinstance(mark, _WeakLink) and mark.link is not None
-                    and mark.link.handle is not None]
-    return handles
-
-
-def _check_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step pre-hook (see :func:`watch_foreign_steps`): an optimizer that no ``initialize``
-    bound, stepping parameters a live initialization holds (a stage-2 optimizer built over
-    ``model.parameters()`` after ``initialize``), is checked once by each such initialization,
-    with the parameters of its that the optimizer holds.  One dict lookup per parameter."""
-    if torch.compiler.is_compiling() or amp_optimizer.binding_of(optimizer) is not None:
-        return  # (a compiled step: dynamo cannot trace parameters' __dict__)
-    held: Dict[int, tuple] = {}
-    for group in getattr(optimizer, "param_groups", None) or ():
-        for param in group["params"]:
-            if _PARAM_ATTR in param.__dict__:
-                for handle in handles_holding_parameter(param):
-                    held.setdefault(id(handle), (handle, []))[1].append(param)
-    for handle, params in held.values():
-        handle.check_foreign_step(optimizer, params)
-
-
-_FOREIGN_STEP_HOOK = None  # torch's handle of the hook, registered once (the first initialize)
-
-
-def watch_foreign_steps() -> None:
-    """Register :func:`_check_foreign_step` with torch, once per process.  It costs an optimizer
-    that ampinit did not bind one dict lookup per parameter per step."""
-    global _FOREIGN_STEP_HOOK
-    if _FOREIGN_STEP_HOOK is None:
-        _FOREIGN_STEP_HOOK = register_optimizer_step_pre_hook(_check_foreign_step)
-
-
-def _mark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
-    for param in params:
-        marks = param.__dict__.setdefault(_PARAM_ATTR, [])
-        if all(mark.link is not link for mark in marks):
-            marks.append(_WeakLink(link))
-
-
-def _unmark_parameters(params: Iterable[torch.Tensor], link: _HandleLink) -> None:
-    for param in params:
-        marks = param.__dict__.get(_PARAM_ATTR)
-        if marks is not None:
-            marks[:] = [mark for mark in marks if mark.link is not link and mark.link is not None]
-            if not marks:
-                del param.__dict__[_PARAM_ATTR]
-
-
-def _cast_tensors_of(module: nn.Module, original: Dict[torch.Tensor, torch.dtype]) -> List[tuple]:
-    """``(name, tensor, original dtype)`` of the cast tensors ``module`` holds now, found by
-    identity: a parameter renamed since ``initialize`` (pruning's ``weight_orig``) is found too."""
-    return [(name, t, original[t]) for name, t in list(module._parameters.items()) + list(module._buffers.items())
-            if t is not None and t in original]
-
-
-class _ModulesMadeLater:
-    """``(key prefix, module)`` of a model's modules that got no hooks of their own at
-    ``initialize``.  A pickled or copied model has a dead link, so a copy keeps no module set."""
-
-    def __init__(self) -> None:
-        self.hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-    def __call__(self, root: nn.Module) -> Iterator[tuple]:
-        # every name of a module shared under several: each is a key of the state_dict
-        for name, module in root.named_modules(remove_duplicate=False):
-            if module not in self.hooked:
-                yield (name + "." if name else ""), module
-
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.hooked = weakref.WeakSet()
-
-
-class _CastTensorHook(_ModuleHook):
-    """A ``state_dict``/``load_state_dict`` hook of one module that finds its cast tensors when
-    called (see :func:`_cast_tensors_of`).  With ``later_modules`` (on the model itself) it
-    serves the modules made after ``initialize`` instead, which hold cast tensors moved into
-    them (a parametrization's ``original``)."""
-
-    def __init__(self, link: _HandleLink, later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
-        super().__init__(link)
-        self.later_modules = later_modules
-
-    def cast_tensors(self, handle: "AmpHandle", module: nn.Module, prefix: str) -> Iterator[tuple]:
-        """``(state_dict key, tensor, original dtype)`` of the cast tensors this hook serves."""
-        owners = [(prefix, module)] if self.later_modules is None else \
-            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
-        for owner_prefix, owner in owners:
-            for name, tensor, dtype in _cast_tensors_of(owner, handle.reported_dtypes):
-                yield owner_prefix + name, tensor, dtype
-
-
-class _SaveFP32Values(_CastTensorHook):
-    """``model.state_dict()`` hook: cast tensors report their FP32 values (the masters), in
-    their original dtypes.  A copy of the model (dead link: an EMA made with ``copy.deepcopy``)
-    has no masters and reports its own tensors, as torch does, so in-place updates through its
-    state_dict (timm's ``ModelEma``, YOLO's ``ModelEMA``) reach it."""
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        handle = self.link.handle
-        if handle is None:
-            return
-        for key, tensor, dtype in self.cast_tensors(handle, module, prefix):
-            if key not in state_dict:
-                continue
-            keep_vars = isinstance(state_dict[key], nn.Parameter)  # state_dict(keep_vars=True)
-            value = handle.report_fp32_value(tensor, dtype, keep_vars)
-            # no master (O3): its value in the original dtype, a copy, as apex reported it
-            state_dict[key] = state_dict[key].to(dtype) if value is None else value
-
-
-class _ReportingWindow:
-    """``model.state_dict()`` pre- and post-hook of an initialized model: one batched sync of
-    every cast tensor before the call (one fingerprint pass), which the per-module hooks then
-    rely on instead of syncing each tensor on its own."""
-
-    def __init__(self, link: _HandleLink, opening: bool):
-        self.link = link
-        self.opening = opening
-
-    def __call__(self, module: nn.Module, *args: Any) -> None:
-        handle = self.link.handle
-        if handle is not None and handle.masters is not None:
-            handle.masters.set_reporting(self.opening)
-
-
-class _BeforeForward:
-    """Forward pre-hook of an initialized model with masters, for what the model and its
-    masters must agree on before it computes:
-
-    - values of ``model.state_dict()`` written in place while the dict is still alive (else
-      the forward would use the old weights until the dict is dropped or the next step);
-    - ``requires_grad`` set on either a parameter or its master (``param_groups``), so the
-      forward computes the gradients the optimizer will use, as with torch's one object;
-    - masters written outside ``step()`` (SAM's perturbation), copied into the model.
-
-    Python checks of two flags and a version counter per parameter, no tensor work unless
-    something changed (see ``MasterWeights.before_forward``).
-    Skipped while ``torch.compile`` traces: a compiled forward sees such writes at the next
-    sync (the dict dropped, ``step()``, ``model.state_dict()``) and flags at the backward."""
-
-    def __init__(self, link: _HandleLink):
-        self.link = link
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        handle = self.link.handle
-        if handle is None or handle.masters is None:
-            return
-        if handle.masters.has_reports:  # first: a write into a reported master bumps its version too
-            handle.masters.adopt_written_reports()
-        handle.masters.before_forward()
-
-
-class _LoadFP32Values(_CastTensorHook):
-    """``model.load_state_dict()`` hook: cast tensors load their FP32 values too, so a
-    checkpoint's full-precision values are not lost to the model's rounding."""
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        handle = self.link.handle
-        if handle is None:
-            return
-        for key, tensor, _ in self.cast_tensors(handle, module, prefix):
-            value = state_dict.get(key)
-            if isinstance(value, torch.Tensor):
-                handle.load_fp32_value(tensor, value)
-
-
-class _RefuseAssign(_ModuleHook):
-    """``load_state_dict()`` pre-hook of every module of the model, run before its other hooks:
-    ``assign=True`` would put the checkpoint's tensors in place of cast ones (FP32 tensors in a
-    16-bit model, with no master behind them).  The module ``load_state_dict`` was called on
-    runs it first and checks its whole subtree, before torch assigns anything."""
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
-        handle = self.link.handle
-        if handle is None or not local_metadata.get("assign_to_params_buffers"):
-            return
-        keys = [prefix + sub_prefix + (sub_prefix and ".") + name
-                for sub_prefix, sub in module.named_modules(remove_duplicate=False)
-                for name, _, _ in _cast_tensors_of(sub, handle.reported_dtypes)]
-        assigned = [key for key in keys if key in state_dict]
-        if assigned:
-            raise RuntimeError(
-                f"load_state_dict(..., assign=True) would replace {', '.join(assigned[:3])}"
-                f"{', ...' if len(assigned) > 3 else ''}, which ampinit cast (and whose FP32 masters the optimizer "
-                "updates), by the checkpoint's tensors: the model would run in their dtype and stop training.  "
-                "Load without assign=True: ampinit writes the values into the model and its FP32 masters.  "
-                "(To load with assign=True, do it before ampinit.initialize.)  Nothing was loaded")
 
 
 class AmpHandle:
@@ -403,13 +99,13 @@ class AmpHandle:
                                        autocast_dtype=config.autocast_dtype,
                                        cast_model_outputs=config.cast_model_outputs)
                           for m in self.models]
-        self._link = _HandleLink(self)
+        self._link = links.HandleLink(self)
         try:
             self._apply()
         except BaseException:
             self.end()
             raise
-        watch_foreign_steps()
+        links.watch_foreign_steps()
         self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
         self.log(2, f"ampinit: {sum(len(c.original_dtypes) for c in self._castings)} tensors cast, "
                     f"{len(self.masters.tensors()) if self.masters else 0} FP32 masters, "
@@ -456,8 +152,7 @@ class AmpHandle:
                 self._reported.setdefault(tensor, torch.float32)
         for model in self.models:
             self._hooks.extend(self._install_state_dict_hooks(model, self._reported))
-            model.__dict__[_MODEL_ATTR] = self._link
-            _mark_parameters(model.parameters(), self._link)
+            links.attach_model(model, self._link)
 
     @staticmethod
     def _state_follows_params(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tensor]) -> None:
@@ -712,7 +407,7 @@ class AmpHandle:
         for param in new:
             self._reported.setdefault(param, torch.float32)  # see _apply
         self._hook_modules_holding(new)
-        _mark_parameters(params, self._link)  # a module added to the model since is held too
+        links.mark_parameters(params, self._link)  # a module added to the model since is held too
         self._added_params.extend(params)
 
     def put_masters_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -821,9 +516,9 @@ class AmpHandle:
                 if any(t is not None and id(t) in targets for t in held):
                     later_modules.hooked.add(module)
                     if self not in handles_holding(module):  # made after initialize: refuse assign=True too
-                        self._hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link)))
-                    self._hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link)))
-                    self._hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link)))
+                        self._hooks.append(module.register_load_state_dict_pre_hook(links.RefuseAssign(self._link)))
+                    self._hooks.append(module.register_state_dict_post_hook(links.SaveFP32Values(self._link)))
+                    self._hooks.append(module.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link)))
 
     def _check_held_by_no_other(self, params: List[torch.Tensor]) -> None:
         """16-bit parameters that another live initialization holds (cast, or keeps a master of)
@@ -862,21 +557,21 @@ class AmpHandle:
         dtypes; ``model.load_state_dict()`` writes the FP32 values too.  Each module holding
         cast tensors gets its own hooks (a submodule's ``state_dict()`` reports too); the model's
         root serves the modules made later."""
-        hooks = [model.register_state_dict_pre_hook(_ReportingWindow(self._link, opening=True))]
-        later_modules = _ModulesMadeLater()
+        hooks = [model.register_state_dict_pre_hook(links.ReportingWindow(self._link, opening=True))]
+        later_modules = links.ModulesMadeLater()
         self._module_hooks.append((model, later_modules))
         for module in model.modules():
-            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(self._link)))
-            if not _cast_tensors_of(module, original):
+            hooks.append(module.register_load_state_dict_pre_hook(links.RefuseAssign(self._link)))
+            if not links.cast_tensors_of(module, original):
                 continue
             later_modules.hooked.add(module)
-            hooks.append(module.register_state_dict_post_hook(_SaveFP32Values(self._link)))
-            hooks.append(module.register_load_state_dict_pre_hook(_LoadFP32Values(self._link)))
+            hooks.append(module.register_state_dict_post_hook(links.SaveFP32Values(self._link)))
+            hooks.append(module.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link)))
         # after the modules' own hooks (hooks run in the order registered; the root's last)
-        hooks.append(model.register_state_dict_post_hook(_SaveFP32Values(self._link, later_modules)))
-        hooks.append(model.register_load_state_dict_pre_hook(_LoadFP32Values(self._link, later_modules)))
-        hooks.append(model.register_state_dict_post_hook(_ReportingWindow(self._link, opening=False)))
-        hooks.append(model.register_forward_pre_hook(_BeforeForward(self._link)))
+        hooks.append(model.register_state_dict_post_hook(links.SaveFP32Values(self._link, later_modules)))
+        hooks.append(model.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link, later_modules)))
+        hooks.append(model.register_state_dict_post_hook(links.ReportingWindow(self._link, opening=False)))
+        hooks.append(model.register_forward_pre_hook(links.BeforeForward(self._link)))
         return hooks
 
     def state_dict(self) -> Dict[str, Any]:
@@ -1012,10 +707,8 @@ class AmpHandle:
                 self._state_follows_params(binding.optimizer,
                                            [t for casting in self._castings for t in casting.original_dtypes])
         for model in self.models:
-            if model.__dict__.get(_MODEL_ATTR) is self._link:
-                del model.__dict__[_MODEL_ATTR]
-            _unmark_parameters(model.parameters(), self._link)
-        _unmark_parameters(self._added_params, self._link)
+            links.detach_model(model, self._link)
+        links.unmark_parameters(self._added_params, self._link)
         self._link.handle = None
         self.log(1, f"ampinit: ended opt_level {self.config.opt_level} initialization")
 

@@ -1069,7 +1069,7 @@ def test_marks_of_dropped_initializations_are_dropped_and_their_parameters_can_b
         amp.initialize(model, torch.optim.SGD(model[1].parameters(), lr=0.1), opt_level="O1", verbosity=0)
         del model
     gc.collect()
-    assert amp.handle.handles_holding_parameter(backbone.weight) == []
+    assert amp.links.handles_holding_parameter(backbone.weight) == []
     assert "_ampinit_held_by" not in backbone.weight.__dict__ or not backbone.weight.__dict__["_ampinit_held_by"]
 
     gc.disable()

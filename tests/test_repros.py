@@ -6,6 +6,7 @@ import dataclasses
 import io
 import logging
 import pickle
+import re
 
 import pytest
 import torch
@@ -552,6 +553,26 @@ def test_r13_model_pickles_and_deep_copies_without_the_optimizer(level):
     ema.float()  # a copy may be cast back: its inputs follow its parameters
     assert ema(x).dtype == torch.float32
     assert amp.handle_of(model) is opt.amp
+
+
+def test_r13_a_model_pickled_before_the_links_moved_still_loads():
+    """The link and hook classes lived in ``ampinit.handle`` until they moved to
+    ``ampinit.links``: a model pickled by then names them there, and must still load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    pickled = pickle.dumps(model, protocol=0)  # protocol 0 names classes as "c<module>\n<name>\n"
+    moved = set(re.findall(rb"campinit\.links\n(\w+)\n", pickled))
+    assert {b"HandleLink", b"WeakLink", b"SaveFP32Values", b"RefuseAssign"} <= moved
+    old = re.sub(rb"campinit\.links\n(\w+)\n", rb"campinit.handle\n_\1\n", pickled)
+    restored = pickle.loads(old)
+    model.eval()
+    restored.eval()
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(restored(x), model(x))
+    with pytest.raises(RuntimeError, match="not initialized"):
+        amp.handle_of(restored)
 
 
 # -- r13b: writes through model.state_dict() --------------------------------------------------
