@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 
-from . import distributed
+from . import distributed, ops
 from .grads import GradientFlow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,8 +104,14 @@ class OptimizerBinding:
         read_overflow = flow.unscaled_since_step and not flow.fused
         suspects = flow.take_suspects()
         flags = ([flow.found_inf] if read_overflow else []) + [w.float().reshape(1) for w, _ in suspects]
+        in_block = flow.in_scale_loss  # (allowed only where the gradients are final there)
+        if in_block:
+            flags.append(self._nonfinite_grads_flag())
         values = torch.cat(flags).tolist() if flags else []  # the step's one host read
         flow.raise_for_suspects([model for (_, model), written in zip(suspects, values[read_overflow:]) if written])
+        if in_block and values[-1]:
+            self.skip_step()
+            return False
         if flow.fused:
             self.resolve_fused_steps(wait=False)
             return True
@@ -114,20 +120,26 @@ class OptimizerBinding:
             return False
         return True
 
+    def _nonfinite_grads_flag(self) -> torch.Tensor:
+        """A step inside the ``scale_loss`` block (an optimizer stepped from a hook during the
+        backward, at O0/O3/O4) comes before the block's exit checks the gradients: they are
+        checked here instead, so that a non-finite one is skipped as at any other step.  A
+        device flag, read with the step's other flags."""
+        grads = [distributed.local(model.grad) for model in self.flow.models() if model.grad is not None]
+        flag = torch.zeros_like(self.flow.found_inf)
+        ops.check_finite_([grad._values() if grad.is_sparse else grad for grad in grads], flag)
+        return flag
+
     def _check_not_inside_scale_loss(self) -> None:
         """A step inside the ``scale_loss`` block (or in a hook its backward runs) would update
         with gradients that are still multiplied by the loss scale, or not yet in the masters.
         Only a static scale of 1 without masters (O0, O4) leaves them right there, as in apex:
         reading that scale syncs, but only on this path."""
-        flow = self.flow
-        if not flow.in_scale_loss:
+        if not self.flow.in_scale_loss:
             return
-        scaler = flow.active_scaler
-        if flow.masters is None and not scaler.dynamic and scaler.loss_scale() == 1.0:
+        not_final = self.why_grads_not_final_in_block()
+        if not_final is None:
             return
-        scaled = scaler.dynamic or scaler.loss_scale() != 1.0  # a sync, on the way to an error only
-        not_final = " and ".join((["still multiplied by the loss scale"] if scaled else []) +
-                                 ([] if flow.masters is None else ["not yet in the FP32 master weights"]))
         raise RuntimeError(
             "optimizer.step() ran inside `with ampinit.scale_loss(loss, optimizer) as scaled_loss:` (in the block, "
             "or in a hook run by scaled_loss.backward(), such as a register_post_accumulate_grad_hook that steps "
@@ -135,6 +147,17 @@ class OptimizerBinding:
             "wrong.  Call optimizer.step() after the with block.  An optimizer stepped during the backward needs "
             "gradients that are final when each is produced, which loss scaling cannot give: use opt_level='O4' "
             "(bf16 autocast, no loss scale) for it")
+
+    def why_grads_not_final_in_block(self) -> Optional[str]:
+        """Inside this optimizer's ``scale_loss`` block: why its gradients are not yet what the
+        update reads (``None`` if they are: a static scale of 1 and no masters, as at O0, O3,
+        O4).  Reading a static scale syncs, on this path only."""
+        flow = self.flow
+        scaler = flow.active_scaler
+        scaled = scaler.dynamic or scaler.loss_scale() != 1.0
+        reasons = (["still multiplied by the loss scale"] if scaled else []) + \
+            ([] if flow.masters is None else ["not yet in the FP32 master weights"])
+        return " and ".join(reasons) or None
 
     def fused_inputs(self) -> dict:
         """What a fused optimizer's update reads besides ``param.grad`` (``_amp_update``'s

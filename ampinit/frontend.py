@@ -404,11 +404,22 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     Clip these, not the model's parameters: their ``.grad`` is the unscaled gradient.  Writes
     to the model since the last step (``p.data.clamp_()``) are adopted first.  With a
     fused optimizer (``ampinit.optim``) this unscales the gradients the kernel would otherwise
-    read scaled from the model, into the masters' ``.grad``."""
+    read scaled from the model, into the masters' ``.grad``.  Raises inside the ``scale_loss``
+    block after its backward where the gradients are not final there (still scaled, or not yet
+    in the masters): call it after the block."""
     inner = amp_optimizer.inner_optimizer(optimizer)
     if inner is None:
         raise TypeError(f"master_params takes an optimizer; got {type(optimizer).__name__}")
     binding = amp_optimizer.binding_of(inner)
+    if binding is not None and binding.flow.in_scale_loss and binding.flow.backward_done:
+        not_final = binding.why_grads_not_final_in_block()
+        if not_final is not None:
+            raise RuntimeError(
+                "ampinit.master_params(optimizer) was called inside `with ampinit.scale_loss(loss, optimizer) as "
+                f"scaled_loss:`, after the backward: there the gradients are {not_final}, so clipping them (or "
+                "taking their norm) would act on the wrong values.  Call it after the with block, before "
+                "optimizer.step(): the gradients are unscaled into the masters when the block ends.  Nothing was "
+                "changed")
     if binding is not None:
         binding.flow.materialize_deferred()
         if binding.flow.masters is not None:  # writes to the model since the last step, adopted

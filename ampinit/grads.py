@@ -71,15 +71,21 @@ _PARKED = "zero from the start"
 _Token = Tuple[Optional[torch.Tensor], int, object]
 # The token of a distinct pair whose model gradient scale_loss detached: none is expected.
 _DETACHED: _Token = (None, 0, None)
+# Gradients remembered from each end of the parameter list after a backward (see backward_ended)
+_SENTINELS_PER_END = 2
 
 
 class BackwardWatch:
-    """Tells whether a backward reached the scaled loss that ``scale_loss`` yielded."""
+    """Tells whether a backward reached the scaled loss that ``scale_loss`` yielded, and calls
+    ``on_end`` when such a backward is over (after the final callbacks queued during it, such
+    as DDP's, which write the gradients)."""
 
-    def __init__(self, scaled_loss: torch.Tensor, on_reach: Callable[[], None] = lambda: None):
+    def __init__(self, scaled_loss: torch.Tensor, on_reach: Callable[[], None] = lambda: None,
+                 on_end: Callable[[], None] = lambda: None):
         # A loss without autograd history cannot be backpropagated (backward raises): never reached.
         self.reached = False
         self._on_reach = on_reach
+        self._on_end = on_end
         if scaled_loss.requires_grad:
             # Weakly: autograd keeps the hooks of the process's first scaled loss past its graph
             # (in C++, out of the collector's sight), and through on_reach they held that
@@ -93,6 +99,19 @@ def _reach(watch: "weakref.ref[BackwardWatch]") -> None:
     if live is not None:
         live.reached = True
         live._on_reach()
+        try:
+            # queued from a final callback, so that it runs after those queued during the
+            # backward (DDP's reducer copies the reduced gradients in one)
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(lambda: _end(watch)))
+        except RuntimeError:  # no final callbacks here (compiled autograd): no check at the exit
+            logger.debug("ampinit: no final callback for this backward", exc_info=True)
+
+
+def _end(watch: "weakref.ref[BackwardWatch]") -> None:
+    live = watch()
+    if live is not None:
+        live._on_end()
 
 
 class _Pending:
@@ -123,6 +142,10 @@ class GradientFlow:
         # those no backward reached (a zero buffer here would keep the fused path from deferring)
         self._owed_zeros: set = set()
         self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running, if any
+        # In that block: whether a backward through its scaled loss is over, and a few of the
+        # gradients it left, with their versions (see backward_ended)
+        self.backward_done = False
+        self._sentinels: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
         # scale_loss for another optimizer of the same initialization (see note_foreign_grads)
@@ -209,6 +232,36 @@ class GradientFlow:
     def backward_started(self) -> None:
         """The backward reached the scaled loss: the held tokens go (their memory with them)."""
         self._held = {}
+
+    def backward_ended(self) -> None:
+        """A backward through the scaled loss is over: remember the gradients of the first and
+        the last parameters that have one, with their version counters.  Clipping or
+        normalizing the gradients writes every one of them, so a change to these before the
+        block's exit (:meth:`take_written_in_block`) shows the block changed scaled gradients.
+        A walk over a few parameters from each end."""
+        self.backward_done = True
+        model_of = self.masters.model_of if self.masters is not None else {}
+        forward = (p for group in self.optimizer.param_groups for p in group["params"])
+        backward = (p for group in reversed(self.optimizer.param_groups) for p in reversed(group["params"]))
+        sentinels: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+        for params in (forward, backward):
+            found = 0
+            for param in params:
+                model = model_of.get(param, param)
+                grad = model.grad
+                if grad is not None:
+                    sentinels[id(model)] = (model, grad, grad._version)
+                    found += 1
+                    if found == _SENTINELS_PER_END:
+                        break
+        self._sentinels = list(sentinels.values())
+
+    def take_written_in_block(self) -> bool:
+        """Whether a gradient :meth:`backward_ended` remembered was changed since, in place or
+        replaced; forgets them."""
+        sentinels, self._sentinels = self._sentinels, []
+        self.backward_done = False
+        return any(model.grad is not grad or grad._version != version for model, grad, version in sentinels)
 
     def reconcile(self, at_step: bool) -> None:
         """Carry what the user did to distinct pairs' model gradients since the last

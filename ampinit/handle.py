@@ -94,6 +94,7 @@ class AmpHandle:
         self._param_names = {p: (f"{name}" if len(models) == 1 else f"models[{i}].{name}")
                              for i, m in enumerate(models) for name, p in m.named_parameters()}
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
+        self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -106,6 +107,7 @@ class AmpHandle:
             self.end()
             raise
         links.watch_foreign_steps()
+        self._warn_of_narrowed_float64()
         self.log(1, f"ampinit: opt_level {config.opt_level} on {device}: {config.to_dict()}")
         self.log(2, f"ampinit: {sum(len(c.original_dtypes) for c in self._castings)} tensors cast, "
                     f"{len(self.masters.tensors()) if self.masters else 0} FP32 masters, "
@@ -220,6 +222,22 @@ class AmpHandle:
                      default=None)
         return list(latest.last_overflow_params) if latest is not None else []
 
+    def _warn_of_narrowed_float64(self) -> None:
+        """Casting the model (O0 to float32, as apex's ``model.to(torch.float32)`` did) narrows
+        float64 parameters and buffers too: an accumulator loses its precision, and a float64
+        layer then fails on its float64 inputs with a dtype error that names no cause."""
+        narrowed = {t for casting in self._castings for t, dtype in casting.original_dtypes.items()
+                    if dtype == torch.float64}
+        if not narrowed:
+            return
+        names = [f"{'' if len(self.models) == 1 else f'models[{i}].'}{name}" for i, model in enumerate(self.models)
+                 for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t in narrowed]
+        logger.warning(
+            "ampinit: opt_level=%r cast %d float64 tensor(s) to %s, as apex did (%s%s).  At O0, "
+            "cast_model_type=False keeps them float64; a buffer that nothing trains can also be cast back after "
+            "initialize", self.config.opt_level, len(narrowed), self.config.cast_model_type,
+            ", ".join(names[:4]), ", ..." if len(names) > 4 else "")
+
     def param_name(self, param: torch.Tensor) -> str:
         """The model's name for ``param`` (``models[i].`` prefixed with several models)."""
         return self._param_names.get(param, f"<unnamed {tuple(param.shape)}>")
@@ -290,7 +308,8 @@ class AmpHandle:
         # the other optimizers' gradients, to tell what this backward leaves on them still scaled
         others = [(b.flow, b.flow.grad_snapshot()) for b in self._bindings if b.flow not in flows]
         scaled = scaler.scale(loss)
-        watch = BackwardWatch(scaled, on_reach=lambda: [flow.backward_started() for flow in flows])
+        watch = BackwardWatch(scaled, on_reach=lambda: [flow.backward_started() for flow in flows],
+                              on_end=lambda: [flow.backward_ended() for flow in flows])
         if self.masters is not None:
             self.masters.start()
         for flow in flows:
@@ -316,6 +335,15 @@ class AmpHandle:
     def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,
                       loss_id: int, delay_unscale: bool, watch: BackwardWatch, check: bool = False) -> None:
         """Unscale (or keep, for ``delay_unscale``) what the backward produced."""
+        written = [flow.take_written_in_block() for flow in flows]
+        if check and any(written) and not self._warned_block_writes and (scaler.dynamic or scaler.loss_scale() != 1.0):
+            self._warned_block_writes = True  # (reading a static scale syncs: once, on this path)
+            logger.warning(
+                "ampinit: gradients were changed inside `with ampinit.scale_loss(...)`, after the backward, where they "
+                "are still multiplied by the loss scale.  A linear change (averaging over processes, dividing by the "
+                "accumulation count) comes out right, but clipping or normalizing them there clips the scaled values: "
+                "the update comes out about loss-scale times too small.  Clip after the with block, on "
+                "ampinit.master_params(optimizer).  (Logged once)")
         if self.masters is not None:  # a group rebuilt inside the block
             for binding in bindings:
                 self.put_masters_back(binding.optimizer)

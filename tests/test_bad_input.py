@@ -502,6 +502,35 @@ def test_a_16_bit_model_at_a_level_without_masters_is_logged(level, dtype, caplo
     assert "16-bit" not in caplog.text
 
 
+class _WithFloat64State(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.head = nn.Linear(4, 1).double()
+        self.register_buffer("total", torch.zeros((), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5"])
+def test_float64_tensors_narrowed_by_the_cast_are_logged(level, caplog):
+    """From a review of everyday patterns: O0 narrowed a float64 accumulator (1000 adds of 1e-9
+    came to 9.99992e-07) and a float64 head to float32, as apex's model.to(torch.float32) did,
+    without a word; the head then failed on float64 inputs with a dtype error naming no cause."""
+    model = _WithFloat64State()
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.initialize(model, torch.optim.SGD(model.layer.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    assert "cast 3 float64 tensor(s)" in caplog.text and "head.weight, head.bias, total" in caplog.text
+    assert model.total.dtype != torch.float64
+    caplog.clear()
+    model = _WithFloat64State()  # O0's own way out, and models without float64: nothing to say
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.initialize(model, torch.optim.SGD(model.layer.parameters(), lr=0.1), opt_level="O0",
+                       cast_model_type=False, verbosity=0)
+        plain = nn.Linear(4, 2)
+        amp.initialize(plain, torch.optim.SGD(plain.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    assert model.total.dtype == model.head.weight.dtype == torch.float64
+    assert "float64" not in caplog.text
+
+
 def test_a_teacher_the_student_trains_is_refused():
     """From the review: the student's optimizer holding the teacher's parameters (an O2 teacher
     initialized without an optimizer) trained them on its own masters; ending the student and then

@@ -3,6 +3,7 @@
 DDP in apex's order (initialize, then wrap): an overflow on one rank reaches every rank
 through the gradient all-reduce, so all ranks skip the same step and stay identical.
 """
+import logging
 import os
 import socket
 
@@ -25,10 +26,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def ddp_worker(rank, port, level, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    warnings = _Warnings()  # DDP writes the reduced gradients after the backward: not a change in the block
+    logging.getLogger("ampinit").addHandler(warnings)
     try:
         torch.manual_seed(0)  # same initial weights on every rank
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -51,7 +63,7 @@ def ddp_worker(rank, port, level, out_dir):
                 skipped_at.append(step)
         torch.save({"params": [p.detach() for p in model.parameters()],
                     "masters": [p.detach() for p in amp.master_params(opt)],
-                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at},
+                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at, "warnings": warnings.messages},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
     finally:
@@ -64,6 +76,7 @@ def test_ddp_overflow_on_one_rank_skips_everywhere(level, tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for result in results:
         assert result["skipped_at"] == [POISON_STEP]
+        assert not any("changed inside" in message for message in result["warnings"]), result["warnings"]
     assert results[0]["scale"] == results[1]["scale"] == (2.0 ** 15 if level != "O5" else 1.0)
     for key in ("params", "masters"):
         for a, b in zip(results[0][key], results[1][key]):
@@ -131,6 +144,8 @@ def fsdp_worker(rank, port, case, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    warnings = _Warnings()  # FSDP2 reduce-scatters the gradients after the backward: not a change
+    logging.getLogger("ampinit").addHandler(warnings)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -165,7 +180,7 @@ def fsdp_worker(rank, port, case, out_dir):
                 skipped_at.append(step)
         torch.save({"params": [p.full_tensor().detach() for p in model.parameters()],
                     "scale": opt.amp.loss_scale(), "skipped_at": skipped_at,
-                    "overflow_params": opt.amp.last_overflow_params},
+                    "overflow_params": opt.amp.last_overflow_params, "warnings": warnings.messages},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
     finally:
@@ -178,6 +193,7 @@ def test_fsdp2_sharded_overflow_on_one_shard_skips_everywhere(case, tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for result in results:
         assert result["skipped_at"] == [POISON_STEP]
+        assert not any("changed inside" in message for message in result["warnings"]), result["warnings"]
         assert result["scale"] == 2.0 ** 15
     assert results[POISON_RANK]["overflow_params"] == ["2.weight"]  # found in the poisoned shard
     for a, b in zip(results[0]["params"], results[1]["params"]):

@@ -73,6 +73,90 @@ def test_clipping_unscaled_master_grads(level):
     assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
 
 
+def _clip_in_or_after_the_block(level, inside, steps=3):
+    """The weights after ``steps`` SGD steps with the masters clipped to norm 0.5, inside the
+    ``scale_loss`` block after the backward or after it (``level=None``: plain FP32)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    for index in range(steps):
+        x, y = batch(index)
+        loss = ((model(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        if level is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                early = list(amp.master_params(opt))  # before the backward: allowed
+                scaled.backward()
+                if inside:
+                    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+            assert len(early) == len(list(model.parameters()))
+            if not inside:
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+        opt.step()
+    return [p.detach().float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_master_params_inside_scale_loss_after_the_backward_is_refused(level):
+    """An indentation slip: clipping amp.master_params inside the block clipped the scaled
+    gradients at O1 (the update came out loss-scale times too small) and nothing at O2/O5 (the
+    masters' gradients come at the exit).  apex did the same, silently."""
+    with pytest.raises(RuntimeError, match=r"master_params\(optimizer\) was called inside .*after the with block"):
+        _clip_in_or_after_the_block(level, inside=True)
+    # nothing was changed: the exit unscaled as usual, and clipping after the block trains
+    got = _clip_in_or_after_the_block(level, inside=False)
+    for a, b in zip(got, _clip_in_or_after_the_block(None, inside=False)):
+        torch.testing.assert_close(a, b, **TOL[level])
+
+
+@pytest.mark.parametrize("level", ["O0", "O3", "O4"])
+def test_master_params_inside_scale_loss_is_right_without_scale_or_masters(level):
+    """With a static scale of 1 and no masters the gradients are final inside the block: the
+    slip is harmless there, and allowed (O0 stays bit for bit FP32)."""
+    ref = _clip_in_or_after_the_block(None, inside=False)
+    for a, b in zip(_clip_in_or_after_the_block(level, inside=True), ref):
+        torch.testing.assert_close(a, b, rtol=0 if level == "O0" else 2e-2, atol=0 if level == "O0" else 3e-3)
+
+
+@pytest.mark.parametrize("change", ["clip_model", "divide_last_layer", "replace_first", "none", "second_backward",
+                                    "gradient_penalty"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
+def test_gradients_changed_inside_scale_loss_are_logged_where_still_scaled(level, change, caplog):
+    """clip_grad_norm_(model.parameters()) inside the block clips the scaled gradients (O1/O2
+    trained 10x off FP32, silently).  A change there is only logged (once): a linear one, such
+    as averaging, is right.  Another backward through the scaled loss is not a change."""
+    model, opt = setup(level)
+    message = "gradients were changed inside `with ampinit.scale_loss"
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for index in range(3):
+            x, y = batch(index)
+            x.requires_grad_(change == "gradient_penalty")
+            out = model(x).float()
+            loss = ((out - y) ** 2).mean()
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                if change == "gradient_penalty":  # a backward that fills no .grad, then the real one
+                    (gx,) = torch.autograd.grad(scaled, x, create_graph=True)
+                    scaled = scaled + gx.pow(2).sum() * 1e-6
+                scaled.backward(retain_graph=change == "second_backward")
+                if change == "second_backward":
+                    scaled.backward()
+                elif change == "clip_model":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                elif change == "divide_last_layer":
+                    model[2].bias.grad.div_(2)
+                elif change == "replace_first":
+                    model[0].weight.grad = model[0].weight.grad * 0.5
+            opt.step()
+    changed = change in ("clip_model", "divide_last_layer", "replace_first")
+    assert caplog.text.count(message) == (1 if changed and level in ("O1", "O2") else 0)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_gradient_penalty_double_backward(level):
     """torch's AMP gradient-penalty recipe: autograd.grad of the scaled loss with
@@ -526,30 +610,40 @@ def test_sam_with_a_forward_the_check_does_not_see_is_logged(forward, caplog):
     assert caplog.text.count("the forward since did not see it") <= 1
 
 
-def _step_inside_scale_loss(level, in_hook):
+def _step_inside_scale_loss(level, in_hook, poisoned_step=None, steps=3):
+    """The weight after ``steps`` steps taken inside the block (or from a hook the backward
+    runs).  ``poisoned_step``'s batch holds an inf; the plain run (``level=None``) skips that
+    step as GradScaler would."""
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if level is not None:
         model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    params = list(model.parameters())
+
+    def step():
+        if level is not None or all(torch.isfinite(q.grad).all() for q in params):
+            opt.step()
+
     if in_hook:  # the "optimizer step in the backward" recipe: a hook steps once every grad is in
-        params = list(model.parameters())
         for param in params:
             param.register_post_accumulate_grad_hook(
-                lambda _: opt.step() if all(q.grad is not None for q in params) else None)
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                lambda _: step() if all(q.grad is not None for q in params) else None)
+    for index in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(index))
+        if index == poisoned_step:
+            x[0, 0] = float("inf")
         loss = model(x).float().pow(2).mean()
         opt.zero_grad()
         if level is None:
             loss.backward()
             if not in_hook:
-                opt.step()
+                step()
         else:
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
                 if not in_hook:
-                    opt.step()
+                    step()
     return model.weight.detach().float()
 
 
@@ -572,6 +666,18 @@ def test_a_step_inside_scale_loss_trains_like_fp32_without_scale_or_masters(leve
     ref = _step_inside_scale_loss(None, in_hook)
     torch.testing.assert_close(_step_inside_scale_loss(level, in_hook), ref,
                                rtol=0 if level == "O0" else 2e-2, atol=0 if level == "O0" else 2e-3)
+
+
+@pytest.mark.parametrize("in_hook", [False, True], ids=["in_block", "in_backward_hook"])
+@pytest.mark.parametrize("level", ["O0", "O3", "O4"])
+def test_a_step_inside_scale_loss_skips_non_finite_gradients(level, in_hook):
+    """A step inside the block comes before the block's exit checks the gradients.  It stepped
+    inf/NaN into the weights at O0/O4 (the recipe O1's error recommends O4 for), against "static
+    scales still skip non-finite steps": it checks them itself now."""
+    ref = _step_inside_scale_loss(None, in_hook, poisoned_step=1, steps=4)
+    got = _step_inside_scale_loss(level, in_hook, poisoned_step=1, steps=4)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=0 if level == "O0" else 2e-2, atol=0 if level == "O0" else 2e-3)
 
 
 def _unused_branch_with_zeroed_grads(level, make_opt, planted_overflow, model_zero_grad=False):
