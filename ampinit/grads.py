@@ -47,6 +47,7 @@ written is decided on the device and read at ``step`` together with the overflow
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import weakref
@@ -73,6 +74,7 @@ _Token = Tuple[Optional[torch.Tensor], int, object]
 _DETACHED: _Token = (None, 0, None)
 # Gradients remembered from each end of the parameter list after a backward (see backward_ended)
 _SENTINELS_PER_END = 2
+_SENTINEL_SEARCH = 16  # parameters looked at from each end to find them
 
 
 class BackwardWatch:
@@ -238,7 +240,8 @@ class GradientFlow:
         the last parameters that have one, with their version counters.  Clipping or
         normalizing the gradients writes every one of them, so a change to these before the
         block's exit (:meth:`take_written_in_block`) shows the block changed scaled gradients.
-        A walk over a few parameters from each end."""
+        A walk over at most ``_SENTINEL_SEARCH`` parameters from each end (a frozen backbone
+        listed first holds no gradients, and must not cost a walk over all of it)."""
         self.backward_done = True
         model_of = self.masters.model_of if self.masters is not None else {}
         forward = (p for group in self.optimizer.param_groups for p in group["params"])
@@ -246,7 +249,7 @@ class GradientFlow:
         sentinels: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         for params in (forward, backward):
             found = 0
-            for param in params:
+            for param in itertools.islice(params, _SENTINEL_SEARCH):
                 model = model_of.get(param, param)
                 grad = model.grad
                 if grad is not None:
