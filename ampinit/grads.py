@@ -117,11 +117,14 @@ def _end(watch: "weakref.ref[BackwardWatch]") -> None:
 
 
 class _Pending:
-    """Scaled gradients of ``delay_unscale`` backwards, still on the model parameters."""
+    """Scaled gradients of ``delay_unscale`` backwards, still on the model parameters, and the
+    scale they carry: a loss id's, as of its scaler's ``scaler_updates``-th update, or a static
+    ``fixed_scale``, which no update changes."""
 
-    def __init__(self, loss_id: int, scaler_updates: int):
+    def __init__(self, loss_id: int, scaler_updates: int, fixed_scale: Optional[float]):
         self.loss_id = loss_id
         self.scaler_updates = scaler_updates
+        self.fixed_scale = fixed_scale
 
 
 class GradientFlow:
@@ -194,10 +197,15 @@ class GradientFlow:
         return [model for model, _ in self.pairs()]
 
     # -- scale_loss entry ----------------------------------------------------------------------
-    def check_can_join(self, loss_id: int, scaler_updates: int) -> None:
-        """A ``scale_loss`` may add to delayed scaled gradients only with the same scale."""
+    def check_can_join(self, loss_id: int, scaler_updates: int, fixed_scale: Optional[float]) -> None:
+        """A ``scale_loss`` may add to delayed scaled gradients only with the same scale: that of
+        the same loss id, not updated since, or the same static scale (O0, O3, O4 and O5 scale
+        every loss by 1), whatever the loss ids."""
         pending = self.pending
         if pending is None:
+            return
+        if pending.fixed_scale is not None and pending.fixed_scale == fixed_scale:
+            self.pending = _Pending(loss_id, scaler_updates, fixed_scale)  # one scale: as one loss id's
             return
         if pending.loss_id != loss_id:
             raise RuntimeError(
@@ -447,11 +455,11 @@ class GradientFlow:
         self.overflow_records = []
 
     # -- scale_loss exit -----------------------------------------------------------------------
-    def delay(self, loss_id: int, scaler_updates: int) -> None:
+    def delay(self, loss_id: int, scaler_updates: int, fixed_scale: Optional[float]) -> None:
         """The backward of a ``delay_unscale=True`` scale_loss succeeded: its scaled gradients
         stay on the model and the next ``scale_loss`` adds to them."""
         if self.pending is None:
-            self.pending = _Pending(loss_id, scaler_updates)
+            self.pending = _Pending(loss_id, scaler_updates, fixed_scale)
 
     def unscale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Unscale the new gradients into the masters (or onto the stashed ones), flagging

@@ -295,7 +295,7 @@ class AmpHandle:
                 raise RuntimeError("scale_loss calls can't be nested: the inner backward's gradients would be "
                                    "unscaled with the outer loss's.  Finish one `with scale_loss(...)` block "
                                    "before the next, or add the losses and scale their sum")
-            flow.check_can_join(loss_id, scaler.updates)
+            flow.check_can_join(loss_id, scaler.updates, scaler.fixed_scale)
         for flow in flows:
             flow.check_foreign_grads("this scale_loss")
         if self.masters is not None and not self._warned_unseen_writes and self.masters.masters_written_unseen():
@@ -359,7 +359,7 @@ class AmpHandle:
             return
         if delay_unscale:
             for flow in flows:
-                flow.delay(loss_id, scaler.updates)
+                flow.delay(loss_id, scaler.updates, scaler.fixed_scale)
             return
         self._unscale(bindings, loss_id)
 
@@ -604,7 +604,9 @@ class AmpHandle:
 
     def state_dict(self) -> Dict[str, Any]:
         """apex's layout (``loss_scaler0``, ``loss_scaler1``, ...) plus an ``ampinit`` entry
-        with the options and step counters.  Synchronises with the device."""
+        with the options and step counters, and the FP32 masters of model tensors written since
+        the last step and not adopted (``masters_behind_writes``: EMA weights swapped in, which
+        ``model.state_dict()`` reports in their place).  Synchronises with the device."""
         state: Dict[str, Any] = {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.loss_scalers)}
         state["ampinit"] = {
             "version": STATE_VERSION,
@@ -613,6 +615,10 @@ class AmpHandle:
                             "last_overflow_step": b.last_overflow_step,
                             "skips_at_floor": b.skips_at_floor} for b in self._bindings],
         }
+        behind = self.masters.masters_behind_writes() if self.masters is not None else {}
+        if behind:  # EMA weights swapped in: model.state_dict() holds them, this the masters
+            names = self._tensor_names()
+            state["ampinit"]["masters_behind_writes"] = {names[t]: v for t, v in behind.items() if t in names}
         return state
 
     def load_state_dict(self, state_dict: Any) -> None:
@@ -642,6 +648,7 @@ class AmpHandle:
                            f"; losses {kept}..{len(self.loss_scalers) - 1} keep their initial scale"),
                      logging.WARNING)
         counters = self._check_counters(state_dict.get("ampinit"))
+        behind = self._check_masters_behind_writes(state_dict.get("ampinit"))
         for binding in self._bindings:
             binding.resolve_fused_steps(wait=True)  # settle what earlier steps owe first
         saved_scale = (state_dict.get("ampinit") or {}).get("config", {}).get("loss_scale", "dynamic")
@@ -654,11 +661,43 @@ class AmpHandle:
                          logging.WARNING)
                 continue
             scaler.load_state_dict(state_dict[key])
+        if behind:
+            self.masters.load_behind_writes(behind)
         for binding, counts in zip(self._bindings, counters or []):
             binding.steps = counts["steps"]
             binding.skipped_steps = counts["skipped_steps"]
             binding.last_overflow_step = counts["last_overflow_step"]
             binding.skips_at_floor = counts["skips_at_floor"]
+
+    def _tensor_names(self) -> Dict[torch.Tensor, str]:
+        """The models' parameters and buffers by their names now (``models[i].`` prefixed with
+        several models): a head added after ``initialize`` has one too."""
+        names: Dict[torch.Tensor, str] = {}
+        for i, model in enumerate(self.models):
+            prefix = "" if len(self.models) == 1 else f"models[{i}]."
+            for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+                names.setdefault(tensor, prefix + name)
+        return names
+
+    def _check_masters_behind_writes(self, extra: Any) -> Dict[torch.Tensor, torch.Tensor]:
+        """The checkpoint's masters behind written model values (see ``state_dict``), by tensor,
+        validated: each must name a tensor with an FP32 master here, in its shape."""
+        saved = (extra or {}).get("masters_behind_writes") if isinstance(extra, dict) else None
+        if not saved:
+            return {}
+        if not isinstance(saved, dict) or self.masters is None:
+            raise ValueError("the checkpoint's ampinit section holds FP32 masters (masters_behind_writes), but this "
+                             "initialization keeps none: load it at the opt_level it was saved at (O2/O5)")
+        by_name = {name: t for t, name in self._tensor_names().items() if t in self.masters}
+        values = {}
+        for name, value in saved.items():
+            tensor = by_name.get(name)
+            if tensor is None or not isinstance(value, torch.Tensor) or value.shape != tensor.shape \
+                    or self.masters.remainders_of(tensor) is not None:
+                raise ValueError(f"the checkpoint's FP32 master of {name!r} (masters_behind_writes) matches no "
+                                 "FP32 master of this initialization's models, in name and shape.  Nothing was loaded")
+            values[tensor] = value.to(device=self.masters.master_of(tensor).device, dtype=torch.float32)
+        return values
 
     def _check_counters(self, extra: Any) -> Optional[List[Dict[str, Any]]]:
         """The ``ampinit`` section of a checkpoint, validated (``None`` for apex's)."""

@@ -610,6 +610,26 @@ class MasterWeights:
                 self._note_agreed([tensor])  # the model takes the value in its own load
         self._loaded = True
 
+    def masters_behind_writes(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """The FP32 masters (copies) of the model tensors written since ampinit last marked them
+        and not adopted: what ``model.state_dict()`` now reports as the model's values in their
+        place (EMA weights swapped in to evaluate and save).  A checkpoint that holds them
+        resumes like the run that goes on, once the training weights are copied back from a
+        16-bit backup (see :meth:`load_behind_writes`).  One fingerprint pass and one read."""
+        written = self._written_since_marked(None)
+        return {tensor: self._value[tensor].detach().clone() for tensor in written}
+
+    def load_behind_writes(self, values: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """Put back masters a checkpoint kept behind written model values (after
+        ``model.load_state_dict`` gave model and masters the written values): the model keeps
+        them, and they are adopted at the next backward or step if still there, as in the run
+        that saved them; copied back to the masters' rounding first, they are not."""
+        with torch.no_grad():
+            for tensor, value in values.items():
+                self._value[tensor].copy_(value)
+        self._note_agreed(list(values))  # no write outside step() to copy into the model
+        self._loaded = True
+
     def start(self) -> None:
         """At every backward: the first one compares every value (see :meth:`sync`); later
         ones cost nothing, since writes are adopted before each update."""

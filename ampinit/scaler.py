@@ -57,6 +57,8 @@ class LossScaler:
                 raise ValueError(f"loss_scale must be 'dynamic' or a number in (0, {_FLOAT32_MAX:.4g}] "
                                  f"(float32); got {loss_scale!r}")
             init_scale = float(loss_scale)
+        # a static scale's value, kept on the host too (only set_scale changes it): no sync to read
+        self._fixed: Optional[float] = None if self.dynamic else float(init_scale)
         if not (growth_factor >= 1.0 and 0.0 < backoff_factor <= 1.0):
             raise ValueError("growth_factor must be >= 1 and backoff_factor in (0, 1]; got "
                              f"{growth_factor} and {backoff_factor}")
@@ -135,6 +137,13 @@ class LossScaler:
             raise ValueError(f"loss scale {value:g} is outside [min_loss_scale, max_loss_scale] = "
                              f"[{self.min_loss_scale:g}, {self.max_loss_scale:g}]")
         self._scale.fill_(float(value))
+        if not self.dynamic:
+            self._fixed = float(value)
+
+    @property
+    def fixed_scale(self) -> Optional[float]:
+        """A static scale's value (no sync), or ``None`` for a dynamic one."""
+        return self._fixed
 
     def set_growth_interval(self, value: int) -> None:
         """Clean backwards between growths of a dynamic scale (apex's ``_scale_seq_len``)."""

@@ -489,6 +489,42 @@ def test_r12_delay_unscale_across_loss_ids_raises(level):
             pass
 
 
+@pytest.mark.parametrize("level, kwargs", [("O0", {}), ("O3", {}), ("O4", {}), ("O5", {}),
+                                           ("O1", {"loss_scale": 128.0}), ("O2", {"loss_scale": 128.0})])
+def test_r12_delay_unscale_across_loss_ids_with_one_static_scale_adds_up(level, kwargs):
+    """From a review of UNITER-style loops (one task, one loss id, per micro-batch): joining
+    another loss id's delayed gradients raised even where every loss has the same static scale,
+    where the sum is exact.  The accumulated gradient equals FP32's over the same batches."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+                                verbosity=0, num_losses=3, **kwargs)
+    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for i, x in enumerate(batches):
+        loss = model(x.to(model[0].weight.dtype)).float().pow(2).mean()
+        with amp.scale_loss(loss, opt, loss_id=[0, 2, 1, 0][i], delay_unscale=i < 3) as scaled:
+            scaled.backward()
+    for x in batches:  # plain accumulation: one backward per micro-batch
+        plain(x).pow(2).mean().backward()
+    exact = level == "O0"
+    for got, ref in zip(amp.master_params(opt), plain.parameters()):
+        torch.testing.assert_close(got.grad.float(), ref.grad, rtol=0 if exact else 2e-2, atol=0 if exact else 2e-3)
+
+
+def test_r12_delay_unscale_across_loss_ids_with_static_scales_made_unequal_raises():
+    model = nn.Linear(4, 1)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                                loss_scale=128.0, verbosity=0, num_losses=2)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(model(x).float().mean(), opt, loss_id=0, delay_unscale=True) as scaled:
+        scaled.backward()
+    opt.amp.loss_scalers[1].set_scale(256.0)  # apex scripts poke scales
+    with pytest.raises(RuntimeError, match="loss_id 0's scale"):
+        with amp.scale_loss(model(x).float().mean(), opt, loss_id=1):
+            pass
+
+
 def test_r12_delay_unscale_across_a_scale_update_raises():
     a, b = nn.Linear(4, 1), nn.Linear(4, 1)
     [a, b], [oa, ob] = amp.initialize([a, b], [torch.optim.SGD(a.parameters(), lr=0.1),
