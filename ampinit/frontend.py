@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Uni
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
 from . import distributed
@@ -115,6 +116,8 @@ def _check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
                                "ampinit.end(model) before initializing it again")
         if config.casts_model or config.master_weights:
             _check_no_lazy_tensors(model, config)
+        if config.casts_model and config.keep_batchnorm_fp32:
+            _check_no_float64_batchnorm(model, config)
 
 
 def _check_nothing_shared_with_another_initialization(model: nn.Module, trained: set, config: AmpConfig) -> None:
@@ -193,6 +196,21 @@ def _check_no_lazy_tensors(model: nn.Module, config: AmpConfig) -> None:
             f"uninitialized (a lazy module such as nn.LazyLinear that has not run a forward yet), so "
             f"opt_level={config.opt_level!r} can neither cast {'it' if len(lazy) == 1 else 'them'} nor keep an "
             "FP32 master: run one forward with a dummy batch before ampinit.initialize")
+
+
+def _check_no_float64_batchnorm(model: nn.Module, config: AmpConfig) -> None:
+    """``keep_batchnorm_fp32`` leaves batch norms as they are, as apex did: a float64 one would
+    then meet the cast layers' outputs and fail in the forward, with torch's "mixed dtype"
+    error naming no cause."""
+    wide = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)
+            and any(t.dtype == torch.float64 for t in list(module.parameters(recurse=False)) +
+                    list(module.buffers(recurse=False)))]
+    if wide:
+        raise ValueError(
+            f"{', '.join(wide[:3])}{' ...' if len(wide) > 3 else ''}: float64 batch norm, which opt_level="
+            f"{config.opt_level!r} keeps as it is (keep_batchnorm_fp32): its forward would fail on the "
+            f"{config.cast_model_type} layers' outputs.  Make it float32 before ampinit.initialize "
+            "(module.float()), or pass keep_batchnorm_fp32=False to cast it too.  Nothing was changed")
 
 
 def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], device: torch.device, config: AmpConfig) -> None:
@@ -411,7 +429,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     if inner is None:
         raise TypeError(f"master_params takes an optimizer; got {type(optimizer).__name__}")
     binding = amp_optimizer.binding_of(inner)
-    if binding is not None and binding.flow.in_scale_loss and binding.flow.backward_done:
+    if binding is not None and binding.flow.in_scale_loss and binding.flow.backward_reached:
         not_final = binding.why_grads_not_final_in_block()
         if not_final is not None:
             raise RuntimeError(

@@ -147,9 +147,10 @@ class GradientFlow:
         # those no backward reached (a zero buffer here would keep the fused path from deferring)
         self._owed_zeros: set = set()
         self.active_scaler: Optional[Any] = None   # the LossScaler of the scale_loss block running, if any
-        # In that block: whether a backward through its scaled loss is over, and a few of the
-        # gradients it left, with their versions (see backward_ended)
-        self.backward_done = False
+        # In that block: whether a backward reached its scaled loss (its gradients are scaled
+        # from then on), and a few of the gradients the last one left, with their versions (see
+        # backward_ended)
+        self.backward_reached = False
         self._sentinels: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         # model parameter -> (its gradient, version): left, still scaled, by the backward of a
@@ -242,6 +243,7 @@ class GradientFlow:
     def backward_started(self) -> None:
         """The backward reached the scaled loss: the held tokens go (their memory with them)."""
         self._held = {}
+        self.backward_reached = True
 
     def backward_ended(self) -> None:
         """A backward through the scaled loss is over: remember the gradients of the first and
@@ -250,7 +252,6 @@ class GradientFlow:
         block's exit (:meth:`take_written_in_block`) shows the block changed scaled gradients.
         A walk over at most ``_SENTINEL_SEARCH`` parameters from each end (a frozen backbone
         listed first holds no gradients, and must not cost a walk over all of it)."""
-        self.backward_done = True
         model_of = self.masters.model_of if self.masters is not None else {}
         forward = (p for group in self.optimizer.param_groups for p in group["params"])
         backward = (p for group in reversed(self.optimizer.param_groups) for p in reversed(group["params"]))
@@ -269,9 +270,9 @@ class GradientFlow:
 
     def take_written_in_block(self) -> bool:
         """Whether a gradient :meth:`backward_ended` remembered was changed since, in place or
-        replaced; forgets them."""
+        replaced; forgets them, and that a backward reached the block."""
         sentinels, self._sentinels = self._sentinels, []
-        self.backward_done = False
+        self.backward_reached = False
         return any(model.grad is not grad or grad._version != version for model, grad, version in sentinels)
 
     def reconcile(self, at_step: bool) -> None:

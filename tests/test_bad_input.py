@@ -531,6 +531,24 @@ def test_float64_tensors_narrowed_by_the_cast_are_logged(level, caplog):
     assert "float64" not in caplog.text
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_float64_batch_norm_kept_by_keep_batchnorm_fp32_is_refused_before_anything_changes(level):
+    """From a review: keep_batchnorm_fp32 left a float64 BatchNorm as it was (apex too), and the
+    forward failed on the cast layers' outputs with torch's "mixed dtype" error naming no cause."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"1: float64 batch norm.*module.float\(\)"):
+        amp.initialize(model, opt, opt_level=level, verbosity=0)
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.float64
+    assert type(opt) is torch.optim.SGD
+    model[1].float()  # the way out the error gives
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    with amp.scale_loss(model(torch.randn(6, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert model[1].weight.dtype == torch.float32 and torch.isfinite(model[0].weight).all()
+
+
 def test_a_teacher_the_student_trains_is_refused():
     """From the review: the student's optimizer holding the teacher's parameters (an O2 teacher
     initialized without an optimizer) trained them on its own masters; ending the student and then

@@ -114,6 +114,19 @@ def test_master_params_inside_scale_loss_after_the_backward_is_refused(level):
         torch.testing.assert_close(a, b, **TOL[level])
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_master_params_in_a_hook_of_the_scaled_backward_is_refused(level):
+    """From the review: a hook the backward runs (clipping from a post-accumulate hook) sees the
+    gradients scaled too, before the backward is over."""
+    model, opt = setup(level)
+    model[2].weight.register_post_accumulate_grad_hook(
+        lambda _: torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0))
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match="master_params"):
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+
+
 @pytest.mark.parametrize("level", ["O0", "O3", "O4"])
 def test_master_params_inside_scale_loss_is_right_without_scale_or_masters(level):
     """With a static scale of 1 and no masters the gradients are final inside the block: the
