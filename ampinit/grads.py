@@ -215,9 +215,10 @@ class GradientFlow:
                 "delay_unscale=False on the last scale_loss of each loss_id before switching to another")
         if pending.scaler_updates != scaler_updates:
             raise RuntimeError(
-                f"loss_id {loss_id}'s scale changed (another optimizer's scale_loss unscaled with it) while this "
-                "optimizer's gradients were still scaled by the old one (delay_unscale=True).  Use "
-                "delay_unscale=False before the other optimizer's scale_loss")
+                f"loss_id {loss_id}'s scale changed (another optimizer's scale_loss unscaled with it, or it was set "
+                "by hand or loaded from a checkpoint) while this optimizer's gradients were still scaled by the old "
+                "one (delay_unscale=True).  Use delay_unscale=False before the other optimizer's scale_loss, and "
+                "change a scale only between steps")
 
     def prepare_backward(self) -> None:
         """Make room for one loss's scaled gradients (see the module docstring)."""

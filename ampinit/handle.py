@@ -685,18 +685,26 @@ class AmpHandle:
         saved = (extra or {}).get("masters_behind_writes") if isinstance(extra, dict) else None
         if not saved:
             return {}
-        if not isinstance(saved, dict) or self.masters is None:
-            raise ValueError("the checkpoint's ampinit section holds FP32 masters (masters_behind_writes), but this "
-                             "initialization keeps none: load it at the opt_level it was saved at (O2/O5)")
-        by_name = {name: t for t, name in self._tensor_names().items() if t in self.masters}
-        values = {}
+        if not isinstance(saved, dict):
+            raise ValueError("the checkpoint's ampinit masters_behind_writes must be a dict of tensors by name; got "
+                             f"{type(saved).__name__}.  Nothing was loaded")
+        by_name = {name: t for t, name in self._tensor_names().items()}
+        values, ignored = {}, []
         for name, value in saved.items():
             tensor = by_name.get(name)
-            if tensor is None or not isinstance(value, torch.Tensor) or value.shape != tensor.shape \
-                    or self.masters.remainders_of(tensor) is not None:
+            if tensor is None or not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
                 raise ValueError(f"the checkpoint's FP32 master of {name!r} (masters_behind_writes) matches no "
-                                 "FP32 master of this initialization's models, in name and shape.  Nothing was loaded")
+                                 "parameter or buffer of this initialization's models, in name and shape.  Nothing "
+                                 "was loaded")
+            if self.masters is None or tensor not in self.masters or self.masters.remainders_of(tensor) is not None:
+                ignored.append(name)  # another level, or a master kept as remainders: the model's value stands
+                continue
             values[tensor] = value.to(device=self.masters.master_of(tensor).device, dtype=torch.float32)
+        if ignored:
+            names = ", ".join(ignored[:3]) + (", ..." if len(ignored) > 3 else "")
+            self.log(0, f"ampinit: the checkpoint kept FP32 masters behind written model values ({names}); "
+                        "this initialization keeps no FP32 master of them "
+                        "(another opt_level, or remainders), so they take the model's loaded values", logging.WARNING)
         return values
 
     def _check_counters(self, extra: Any) -> Optional[List[Dict[str, Any]]]:

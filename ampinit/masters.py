@@ -129,6 +129,7 @@ class MasterWeights:
         # model tensor -> ((version, data_ptr, strides), fingerprint) when ampinit last wrote or read it
         self._marks: Dict[torch.Tensor, Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]] = {}
         self._loaded = False
+        self._behind_writes_loaded: set = set()  # masters load_behind_writes set, until the next sync
         # model parameter -> (int16 remainders, int32 tie words): masters kept as remainders
         self._remainders: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._remainder_mode = False
@@ -550,6 +551,7 @@ class MasterWeights:
         No host sync, except one fingerprint read per written value that :meth:`report` handed
         out: those writes are adopted first (see :meth:`_adopt_report`)."""
         self._reporting = False  # a state_dict() that raised midway must not leave it set
+        self._behind_writes_loaded = set()
         if self._reported:
             self._adopt_reported(None if tensors is None else list(tensors))
         if not self._compared_once:
@@ -597,6 +599,13 @@ class MasterWeights:
         self._report_views = None
         for watch in self._reported.pop(tensor, ()):
             watch.detach()
+        if tensor in self._behind_writes_loaded:
+            self._behind_writes_loaded = set()
+            logger.warning(
+                "ampinit: model.load_state_dict() came after amp.load_state_dict(), whose checkpoint kept the FP32 "
+                "masters behind model values written when it was saved (EMA weights swapped in): the model's load "
+                "replaces them, and training goes on from the written values' rounding.  For a bit-for-bit resume, "
+                "load the model first, then the optimizer, then amp (apex's order)")
         parts = self._remainders.get(tensor)
         master = self._value.get(tensor)
         if value.shape != tensor.shape or (parts is None and master is None):
@@ -629,6 +638,7 @@ class MasterWeights:
                 self._value[tensor].copy_(value)
         self._note_agreed(list(values))  # no write outside step() to copy into the model
         self._loaded = True
+        self._behind_writes_loaded = set(values)  # until the next sync: see load()
 
     def start(self) -> None:
         """At every backward: the first one compares every value (see :meth:`sync`); later

@@ -85,8 +85,9 @@ class LossScaler:
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
         self._overflows = torch.zeros((1,), dtype=torch.int64, device=device)
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
-        # How many times update() ran: gradients scaled before an update can't be unscaled
-        # with the scale after it (delay_unscale across an update is refused).
+        # How many times update(), set_scale() or a checkpoint's load changed (or may have changed)
+        # the scale: gradients scaled before can't be unscaled with the scale after (delay_unscale
+        # across such a change is refused).
         self.updates = 0
 
     @property
@@ -137,6 +138,7 @@ class LossScaler:
             raise ValueError(f"loss scale {value:g} is outside [min_loss_scale, max_loss_scale] = "
                              f"[{self.min_loss_scale:g}, {self.max_loss_scale:g}]")
         self._scale.fill_(float(value))
+        self.updates += 1  # scaled gradients still waiting (delay_unscale) must not join the new scale
         if not self.dynamic:
             self._fixed = float(value)
 
@@ -201,6 +203,7 @@ class LossScaler:
                                "= [%g, %g]; continuing from %g", scale, self.min_loss_scale, self.max_loss_scale,
                                clamped)
             self._scale.fill_(clamped)
+            self.updates += 1  # as set_scale
         elif scale != self.loss_scale():
             logger.warning("ampinit: the checkpoint's loss scale %g differs from the static loss_scale %g this "
                            "initialization uses; keeping %g", scale, self.loss_scale(), self.loss_scale())

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import ampinit as amp
+from ampinit.optim import FusedAdam
 from conftest import LEVELS, SmallNet, amp_backward, initialize_at, make_setup, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -387,15 +388,16 @@ def test_masters_ampinit_did_not_cast_are_in_the_state_dict_and_resume_bit_for_b
         assert torch.equal(value, resumed.state_dict()[name]), name
 
 
-def _ema_swap_run(level, cut=None):
+def _ema_swap_run(level, cut=None, load_level=None, amp_first=False, **kwargs):
     """3 steps; EMA-like weights copied into the model for an evaluation, a checkpoint, the
     training weights copied back from their 16-bit backup (ClassyVision's EMA hook, saving in
     the test phase); 3 more steps.  With ``cut`` the last 3 steps run in a fresh model and
     optimizer loaded from the checkpoint, in apex's order: model, optimizer, amp."""
-    def build():
+    def build(opt_level=level, **options):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        return amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2), opt_level=level, verbosity=0)
+        make = FusedAdam if options.get("master_weights") == "remainder" else torch.optim.Adam
+        return amp.initialize(model, make(model.parameters(), lr=1e-2), opt_level=opt_level, verbosity=0, **options)
 
     def train(model, opt, steps):
         for step in steps:
@@ -413,10 +415,14 @@ def _ema_swap_run(level, cut=None):
             p.mul_(0.9)
     checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
     if cut:
-        model, opt = build()
+        model, opt = build(load_level or level, **kwargs)
+        backup = {name: value.to(p.dtype) for (name, p), value in zip(model.named_parameters(), backup.values())}
+        if amp_first:
+            amp.load_state_dict(checkpoint["amp"])
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
-        amp.load_state_dict(checkpoint["amp"])
+        if not amp_first:
+            amp.load_state_dict(checkpoint["amp"])
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(backup[name])
@@ -449,3 +455,25 @@ def test_masters_behind_writes_that_match_no_master_leave_everything_untouched()
         amp.load_state_dict(bad)
     assert opt.amp.state_dict() == before[0]
     assert all(torch.equal(a, b) for a, b in zip(amp.master_params(opt), before[1]))
+
+
+@pytest.mark.parametrize("load_level, kwargs", [("O0", {}), ("O1", {}), ("O3", {}),
+                                                ("O5", {"master_weights": "remainder"})])
+def test_a_checkpoint_with_masters_behind_writes_loads_at_other_levels(load_level, kwargs, caplog):
+    """From the review: the masters kept behind EMA weights made an O2 checkpoint refuse to load
+    where other O2 checkpoints load (another level, remainder masters); there the model's values
+    stand, as for any checkpoint, and that is logged."""
+    with caplog.at_level("INFO", logger="ampinit"):
+        resumed, _ = _ema_swap_run("O2", cut=True, load_level=load_level, **kwargs)
+    assert "take the model's loaded values" in caplog.text
+    assert all(torch.isfinite(value.float()).all() for value in resumed.values())
+
+
+def test_amp_loaded_before_the_model_is_warned_about_the_masters_behind_writes(caplog):
+    """Loading amp first, the model's load replaces the masters kept behind the EMA weights:
+    training goes on from the EMA's 16-bit backup (1e-4 off at O2), which is now said."""
+    uninterrupted, _ = _ema_swap_run("O2")
+    with caplog.at_level("WARNING", logger="ampinit"):
+        resumed, _ = _ema_swap_run("O2", cut=True, amp_first=True)
+    assert "came after amp.load_state_dict()" in caplog.text
+    assert any(not torch.equal(value, resumed[name]) for name, value in uninterrupted.items())

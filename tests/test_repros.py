@@ -525,6 +525,33 @@ def test_r12_delay_unscale_across_loss_ids_with_static_scales_made_unequal_raise
             pass
 
 
+@pytest.mark.parametrize("how", ["static", "dynamic", "fp16_optimizer"])
+def test_r12_delay_unscale_across_a_scale_set_by_hand_raises(how):
+    """From a review: a scale set by hand (apex scripts poke _amp_state's _loss_scale, or
+    FP16_Optimizer.loss_scale) between a delayed backward and the next of the same loss id
+    unscaled the first with the new scale: that micro-batch counted half, silently."""
+    model = nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+    if how == "fp16_optimizer":
+        from ampinit.apex.fp16_utils import FP16_Optimizer
+        model.half()
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), static_loss_scale=128.0, verbose=False)
+        opt.backward(model(x.half()).float().sum(), update_master_grads=False)
+        opt.loss_scale = 256.0
+        with pytest.raises(RuntimeError, match="scale changed"):
+            opt.backward(model(x.half()).float().sum(), update_master_grads=False)
+        return
+    kwargs = {"loss_scale": 128.0} if how == "static" else {}
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0,
+                                **kwargs)
+    with amp.scale_loss(model(x.half()).float().sum(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    amp._amp_state.loss_scalers[0]._loss_scale = 256.0
+    with pytest.raises(RuntimeError, match="scale changed"):
+        with amp.scale_loss(model(x.half()).float().sum(), opt):
+            pass
+
+
 def test_r12_delay_unscale_across_a_scale_update_raises():
     a, b = nn.Linear(4, 1), nn.Linear(4, 1)
     [a, b], [oa, ob] = amp.initialize([a, b], [torch.optim.SGD(a.parameters(), lr=0.1),
