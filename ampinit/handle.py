@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +45,14 @@ STATE_VERSION = 1
 _RATE_LIMIT_AFTER = 8  # overflow messages: the first 8, then every power of two
 DEFAULT_MAX_SKIPS_AT_FLOOR = 16
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _ScaleAtEntry(NamedTuple):
+    """A loss's scale as ``scale_loss`` multiplied it: its inverse (a device tensor), its
+    scaler's count of changes, and a static scale's value."""
+    inv_scale: torch.Tensor
+    updates: int
+    fixed_scale: Optional[float]
 
 
 class AmpHandle:
@@ -308,6 +316,9 @@ class AmpHandle:
         # the other optimizers' gradients, to tell what this backward leaves on them still scaled
         others = [(b.flow, b.flow.grad_snapshot()) for b in self._bindings if b.flow not in flows]
         scaled = scaler.scale(loss)
+        # the scale this loss is multiplied by, for the exit: a scale set inside the block (by
+        # hand, apex-style) must neither unscale these gradients nor join them later (no sync)
+        entry = _ScaleAtEntry(scaler.inv_scale(), scaler.updates, scaler.fixed_scale)
         watch = BackwardWatch(scaled, on_reach=lambda: [flow.backward_started() for flow in flows],
                               on_end=lambda: [flow.backward_ended() for flow in flows])
         if self.masters is not None:
@@ -322,7 +333,7 @@ class AmpHandle:
         except BaseException:
             # As without ampinit: gradients a backward already produced stay (unscaled); if none
             # reached the scaled loss, everything is as it was on entry.
-            self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch)
+            self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, entry)
             raise
         finally:
             for flow in flows:
@@ -330,10 +341,11 @@ class AmpHandle:
             for flow, before in others:
                 flow.foreign_snapshot = None
                 flow.note_foreign_grads(before)
-        self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, check=True)
+        self._end_backward(flows, bindings, scaler, loss_id, delay_unscale, watch, entry, check=True)
 
     def _end_backward(self, flows: Sequence[GradientFlow], bindings: Sequence[OptimizerBinding], scaler: LossScaler,
-                      loss_id: int, delay_unscale: bool, watch: BackwardWatch, check: bool = False) -> None:
+                      loss_id: int, delay_unscale: bool, watch: BackwardWatch, entry: "_ScaleAtEntry",
+                      check: bool = False) -> None:
         """Unscale (or keep, for ``delay_unscale``) what the backward produced."""
         written = [flow.take_written_in_block() for flow in flows]
         if check and any(written) and not self._warned_block_writes and (scaler.dynamic or scaler.loss_scale() != 1.0):
@@ -359,16 +371,15 @@ class AmpHandle:
             return
         if delay_unscale:
             for flow in flows:
-                flow.delay(loss_id, scaler.updates, scaler.fixed_scale)
+                flow.delay(loss_id, entry.updates, entry.fixed_scale)
             return
-        self._unscale(bindings, loss_id)
+        self._unscale(bindings, loss_id, entry.inv_scale)
 
-    def _unscale(self, bindings: Sequence[OptimizerBinding], loss_id: int) -> None:
-        """Unscale the bindings' new gradients with loss ``loss_id``'s scale, fold the overflow
-        into their flags and advance the scale.  No host sync."""
+    def _unscale(self, bindings: Sequence[OptimizerBinding], loss_id: int, inv_scale: torch.Tensor) -> None:
+        """Unscale the bindings' new gradients with ``inv_scale`` (loss ``loss_id``'s, when the
+        loss was scaled), fold the overflow into their flags and advance the scale.  No host sync."""
         scaler = self.loss_scalers[loss_id]
         scaler.found_inf.zero_()
-        inv_scale = scaler.inv_scale()
         for binding in bindings:
             binding.flow.unscale(inv_scale, scaler.found_inf)
         if self._shard_groups:  # each rank checked only its shard: agree before deciding
@@ -393,8 +404,11 @@ class AmpHandle:
         """Unscale gradients that ``delay_unscale=True`` backwards left scaled, without another
         backward (apex's ``FP16_Optimizer.update_master_grads()``).  No host sync."""
         for loss_id in sorted({b.flow.pending.loss_id for b in bindings if b.flow.pending is not None}):
-            self._unscale([b for b in bindings if b.flow.pending is not None and b.flow.pending.loss_id == loss_id],
-                          loss_id)
+            scaler = self.loss_scalers[loss_id]
+            delayed = [b for b in bindings if b.flow.pending is not None and b.flow.pending.loss_id == loss_id]
+            for binding in delayed:  # a scale set since (FP16_Optimizer.loss_scale = ...) is refused
+                binding.flow.check_can_join(loss_id, scaler.updates, scaler.fixed_scale)
+            self._unscale(delayed, loss_id, scaler.inv_scale())
 
     # -- parameters added later -----------------------------------------------------------------
     def add_param_group(self, binding: OptimizerBinding, param_group: Any,

@@ -602,10 +602,10 @@ class MasterWeights:
         if tensor in self._behind_writes_loaded:
             self._behind_writes_loaded = set()
             logger.warning(
-                "ampinit: model.load_state_dict() came after amp.load_state_dict(), whose checkpoint kept the FP32 "
-                "masters behind model values written when it was saved (EMA weights swapped in): the model's load "
-                "replaces them, and training goes on from the written values' rounding.  For a bit-for-bit resume, "
-                "load the model first, then the optimizer, then amp (apex's order)")
+                "ampinit: model.load_state_dict() replaced FP32 masters that the amp.load_state_dict() before it had "
+                "put back (its checkpoint kept them behind model values written when it was saved: EMA weights "
+                "swapped in).  If both come from one checkpoint, load the model first, then the optimizer, then amp "
+                "(apex's order), for a bit-for-bit resume")
         parts = self._remainders.get(tensor)
         master = self._value.get(tensor)
         if value.shape != tensor.shape or (parts is None and master is None):

@@ -108,8 +108,9 @@ class LossScaler:
         return not self.dynamic or self.loss_scale() <= self.min_loss_scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss.float() * scale`` without leaving the device."""
-        return loss.float() * self._scale.to(loss.device).reshape(())
+        """``loss.float() * scale`` without leaving the device.  The product keeps a copy of the
+        scale: setting it before the backward (by hand) does not break the graph."""
+        return loss.float() * self._scale.to(loss.device, copy=True).reshape(())
 
     def inv_scale(self) -> torch.Tensor:
         """``1/scale`` as a float32 device tensor, rounded once from a float64 reciprocal."""
@@ -137,8 +138,10 @@ class LossScaler:
         if self.dynamic and not self.min_loss_scale <= value <= self.max_loss_scale:
             raise ValueError(f"loss scale {value:g} is outside [min_loss_scale, max_loss_scale] = "
                              f"[{self.min_loss_scale:g}, {self.max_loss_scale:g}]")
+        changed = self._scale.item() != float(value)  # a sync, on this path only
         self._scale.fill_(float(value))
-        self.updates += 1  # scaled gradients still waiting (delay_unscale) must not join the new scale
+        if changed:  # scaled gradients still waiting (delay_unscale) must not join the new scale
+            self.updates += 1
         if not self.dynamic:
             self._fixed = float(value)
 

@@ -552,6 +552,78 @@ def test_r12_delay_unscale_across_a_scale_set_by_hand_raises(how):
             pass
 
 
+def _accumulate_with_a_scale_set(where, level="O2"):
+    """Two micro-batches (the first with ``delay_unscale``) at a scale set to 128, the scale set
+    to 1024 at ``where``; the masters' gradients, and FP32's."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1)
+    model = copy.deepcopy(plain)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = 128.0
+    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for i, x in enumerate(batches):
+        with amp.scale_loss(model(x.to(model.weight.dtype)).float().sum(), opt, delay_unscale=i == 0) as scaled:
+            if where == (i, "before_backward"):
+                scaler._loss_scale = 1024.0
+            scaled.backward()
+            if where == (i, "after_backward"):
+                scaler._loss_scale = 1024.0
+        if where == (i, "after_block"):
+            scaler._loss_scale = 1024.0
+    for x in batches:
+        plain(x).sum().backward()
+    return [p.grad for p in amp.master_params(opt)], [p.grad for p in plain.parameters()]
+
+
+@pytest.mark.parametrize("where", [(0, "before_backward"), (0, "after_backward"), (0, "after_block")])
+def test_r12_a_scale_set_while_gradients_wait_scaled_is_refused(where):
+    """From a review: a scale set inside the delayed block, after its backward, was not refused
+    (the first micro-batch was unscaled with the new scale: 27 % off, silently); before the
+    backward, torch refused the in-place change of the scale with an error naming no cause.
+    The first loss was multiplied by the old scale in each case: the second may not join it."""
+    with pytest.raises(RuntimeError, match="scale changed"):
+        _accumulate_with_a_scale_set(where)
+
+
+@pytest.mark.parametrize("where", [(1, "before_backward"), (1, "after_backward")])
+def test_r12_a_scale_set_inside_the_block_unscales_with_the_scale_the_loss_got(where):
+    """From a review: a scale set inside a block (not delayed) was the one its gradients were
+    unscaled with, though the loss had been multiplied by the old one: 87 % off, silently."""
+    got, ref = _accumulate_with_a_scale_set(where)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+
+
+def test_r12_a_scale_set_to_the_value_it_has_is_no_change():
+    """From a review: scripts that cap the scale each iteration (`_loss_scale = min(s, cap)`)
+    set it to the value it has; that must not break a delay_unscale accumulation."""
+    model = nn.Linear(4, 1)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0,
+                                init_scale=128.0)
+    x = torch.randn(8, 4).half()
+    with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = min(scaler._loss_scale, 2.0 ** 20)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert opt.amp.skipped_steps == 0
+
+
+def test_r12_fp16_optimizer_update_master_grads_after_a_scale_set_is_refused():
+    """From a review: update_master_grads() unscaled delayed gradients with a scale set after
+    their backward (16x too large, silently)."""
+    from ampinit.apex.fp16_utils import FP16_Optimizer
+    model = nn.Linear(4, 1).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), static_loss_scale=128.0, verbose=False)
+    opt.backward(model(torch.randn(8, 4).half()).float().sum(), update_master_grads=False)
+    opt.loss_scale = 8.0
+    with pytest.raises(RuntimeError, match="scale changed"):
+        opt.update_master_grads()
+
+
 def test_r12_delay_unscale_across_a_scale_update_raises():
     a, b = nn.Linear(4, 1), nn.Linear(4, 1)
     [a, b], [oa, ob] = amp.initialize([a, b], [torch.optim.SGD(a.parameters(), lr=0.1),
