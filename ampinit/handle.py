@@ -238,8 +238,7 @@ class AmpHandle:
                     if dtype == torch.float64}
         if not narrowed:
             return
-        names = [f"{'' if len(self.models) == 1 else f'models[{i}].'}{name}" for i, model in enumerate(self.models)
-                 for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t in narrowed]
+        names = [name for t, name in self._tensor_names().items() if t in narrowed]
         logger.warning(
             "ampinit: opt_level=%r cast %d float64 tensor(s) to %s, as apex did (%s%s).  At O0, "
             "cast_model_type=False keeps them float64; a buffer that nothing trains can also be cast back after "
