@@ -184,11 +184,14 @@ class GradientFlow:
         return self.active_scaler is not None
 
     # -- views ---------------------------------------------------------------------------------
-    def pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(model_param, master)`` for every parameter of the optimizer."""
+    def pairs(self, reverse: bool = False) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(model_param, master)`` for every parameter of the optimizer, in ``param_groups``
+        order, or from the last parameter back with ``reverse``."""
         model_of = self.masters.model_of if self.masters is not None else {}
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
+        groups = self.optimizer.param_groups
+        for group in reversed(groups) if reverse else groups:
+            params = group["params"]
+            for param in reversed(params) if reverse else params:
                 yield model_of.get(param, param), param
 
     def distinct_pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
@@ -253,14 +256,10 @@ class GradientFlow:
         block's exit (:meth:`take_written_in_block`) shows the block changed scaled gradients.
         A walk over at most ``_SENTINEL_SEARCH`` parameters from each end (a frozen backbone
         listed first holds no gradients, and must not cost a walk over all of it)."""
-        model_of = self.masters.model_of if self.masters is not None else {}
-        forward = (p for group in self.optimizer.param_groups for p in group["params"])
-        backward = (p for group in reversed(self.optimizer.param_groups) for p in reversed(group["params"]))
         sentinels: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
-        for params in (forward, backward):
+        for pairs in (self.pairs(), self.pairs(reverse=True)):
             found = 0
-            for param in itertools.islice(params, _SENTINEL_SEARCH):
-                model = model_of.get(param, param)
+            for model, _ in itertools.islice(pairs, _SENTINEL_SEARCH):
                 grad = model.grad
                 if grad is not None:
                     sentinels[id(model)] = (model, grad, grad._version)
