@@ -81,12 +81,13 @@ def _stamp(tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, ...]]:
 class _ForwardChecks:
     """The parameters with FP32 masters as lists, for :meth:`MasterWeights.before_forward`:
     the ``requires_grad`` both had and the master's version counter when ampinit last saw them
-    agree, compared in list comprehensions (rebuilt when a master is added or removed, or a
-    flag settles)."""
+    agree, and the dtype ``initialize`` cast the parameter to, compared in list comprehensions
+    (rebuilt when a master is added or removed, or a flag settles)."""
 
     def __init__(self, models: List[torch.Tensor], masters: List[torch.Tensor], flags: List[bool],
-                 versions: List[int]):
+                 versions: List[int], dtypes: List[torch.dtype]):
         self.models, self.masters, self.flags, self.versions = models, masters, flags, versions
+        self.dtypes = dtypes
         self.index = {model: i for i, model in enumerate(models)}
 
 
@@ -349,7 +350,8 @@ class MasterWeights:
             models = [model for model in self._requires_grad if model in self._value]
             self._flags = _ForwardChecks(models, [self._value[m] for m in models],
                                          [self._requires_grad[m] for m in models],
-                                         [self._master_version.get(m, -1) for m in models])
+                                         [self._master_version.get(m, -1) for m in models],
+                                         [self._cast_dtype.get(m, m.dtype) for m in models])
         return self._flags
 
     def copy_replaced_masters(self, models: List[torch.Tensor]) -> None:
@@ -381,6 +383,8 @@ class MasterWeights:
           compute with it; a model parameter written too keeps its own value (adopted later).
         """
         checks = self._forward_checks()
+        if [m.dtype for m in checks.models] != checks.dtypes:
+            self.check_model(checks.models)  # p.data = fp32_tensor: say so before torch's dtype error
         if [m.requires_grad for m in checks.models] != checks.flags or \
                 [m.requires_grad for m in checks.masters] != checks.flags:
             for model, master in zip(checks.models, checks.masters):
@@ -540,8 +544,10 @@ class MasterWeights:
                 raise RuntimeError(
                     f"{self._names.get(tensor, 'a parameter')} is {tensor.dtype} on {tensor.device}, but "
                     f"ampinit.initialize made it {dtype} on {master.device} and keeps its FP32 master there: "
-                    "the model was cast or moved after initialize (model.float(), model.half(), model.to(...)). "
-                    "Cast and move the model before ampinit.initialize, or call ampinit.end(model) first")
+                    "the model was cast or moved after initialize (model.float(), model.half(), model.to(...)), or the "
+                    "parameter's .data was replaced by a tensor of another dtype or device (p.data = value). Cast and "
+                    "move the model before ampinit.initialize, or call ampinit.end(model) first; write new values in "
+                    "place (p.data.copy_(value), or p.copy_(value) under torch.no_grad()), which the masters adopt")
 
     def sync(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Adopt writes to the model made since ampinit last marked it (see the module

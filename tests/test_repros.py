@@ -1174,15 +1174,24 @@ def test_scale_loss_after_end_says_so():
             pass
 
 
-@pytest.mark.parametrize("cast_back", ["float", "double", "bfloat16"])
-def test_model_cast_back_after_o2_is_a_clear_error(cast_back):
-    model = nn.Linear(4, 2)
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
-    getattr(model, cast_back)()
-    out = model(torch.randn(2, 4))  # forward follows the model's dtype
-    with pytest.raises(RuntimeError, match="cast or moved after initialize"):
-        with amp.scale_loss(out.float().sum(), opt) as scaled:
-            scaled.backward()
+@pytest.mark.parametrize("cast_back", ["float", "double", "other_16_bit", "data_fp32"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_model_cast_back_after_o2_is_a_clear_error(cast_back, level):
+    """``model.float()`` or ``layer.weight.data = fp32_tensor`` after ``initialize``: the model's
+    forward says what happened (torch's own error was a dtype mismatch in the matmul, or, where
+    the forward went through, one at ``scale_loss``), and nothing was stepped."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    masters = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    if cast_back == "data_fp32":
+        model[2].weight.data = torch.ones(2, 3)
+    elif cast_back == "other_16_bit":
+        model.half() if level == "O5" else model.bfloat16()
+    else:
+        getattr(model, cast_back)()
+    with pytest.raises(RuntimeError, match=r"cast or moved after initialize.*\.data was replaced"):
+        model(torch.randn(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.param_groups[0]["params"]))
 
 
 def test_initialize_returns_the_container_type_it_was_given():
