@@ -30,10 +30,12 @@ def _group_by_dtype(*lists: Tensors) -> Dict[Tuple[torch.dtype, ...], Tuple[List
 
 
 def _check_sparse_and_unscale(grad: torch.Tensor, inv_scale: torch.Tensor,
-                              found_inf: torch.Tensor) -> torch.Tensor:
-    """Unscaled float32 copy of a sparse gradient; flags non-finite values."""
+                              found_inf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unscaled copy of a sparse gradient in ``dtype``, computed in float32 and rounded once;
+    flags the non-finite values it holds (a finite product that overflows ``dtype`` included,
+    as the dense ops do)."""
     grad = grad.coalesce()
-    values = grad._values().float() * inv_scale
+    values = (grad._values().float() * inv_scale.reshape(())).to(dtype)
     found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(values)).any().float().reshape(1)))
     # indices of a coalesced tensor: valid by construction, so no invariant check (and no warning)
     return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False)
@@ -129,7 +131,7 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
     flags = []
     for x, y in zip(inputs, outputs):
         compute = _compute_dtype(x.dtype, y.dtype)
-        contribution = x.to(compute) * inv_scale
+        contribution = x.to(compute) * inv_scale.reshape(())  # a 0-dim row stays 0-dim
         previous = y.to(compute, copy=True)
         y.copy_(previous * out_weight + contribution)
         overflowed = torch.logical_and(torch.logical_not(torch.isfinite(y)), torch.isfinite(previous)).any()
@@ -150,7 +152,9 @@ def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, tor
     device = inputs[0].device if inputs else torch.device("cpu")
     if not inputs:
         return torch.zeros(1, device=device), torch.empty(0, device=device)
-    squares = torch.stack([t.double().square().sum() for t in inputs])
+    # complex: both parts (t.double() would drop the imaginary one)
+    squares = torch.stack([(torch.view_as_real(t.resolve_conj()) if t.is_complex() else t).double().square().sum()
+                           for t in inputs])
     total = squares.sum().sqrt().float().reshape(1)
     norms = squares.sqrt().float() if per_tensor else torch.empty(0, device=device)
     return total, norms
@@ -159,7 +163,7 @@ def l2norm(inputs: Tensors, per_tensor: bool = False) -> Tuple[torch.Tensor, tor
 def unscale_sparse(grad: torch.Tensor, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
     """Unscaled copy of a sparse COO gradient in ``dtype``, checking it for inf/NaN."""
-    return _check_sparse_and_unscale(grad, inv_scale, found_inf).to(dtype)
+    return _check_sparse_and_unscale(grad, inv_scale, found_inf, dtype)
 
 
 def copy_(outputs: Tensors, inputs: Tensors) -> None:
@@ -178,7 +182,8 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
         torch.where(changed, model, master, out=master)
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# an 8-byte element (float64, complex64) is read as two 32-bit words, each keyed by its own index
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 _MASK32 = 0xFFFFFFFF
 
 
@@ -214,7 +219,7 @@ def fingerprint(inputs: Tensors) -> torch.Tensor:
     out = []
     for tensor in inputs:
         flat = _memory_order(tensor.detach()).view(_BITS[tensor.element_size()])
-        unsigned = (1 << (8 * tensor.element_size())) - 1 if tensor.element_size() < 8 else -1
+        unsigned = (1 << (8 * flat.element_size())) - 1
         total = torch.zeros((), dtype=torch.int64, device=tensor.device)
         for start in range(0, flat.numel(), _FINGERPRINT_SLICE):
             bits = flat[start:start + _FINGERPRINT_SLICE].to(torch.int64) & unsigned

@@ -235,7 +235,8 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
 def fingerprint(inputs: Tensors) -> torch.Tensor:
     """One int64 per tensor (in [0, 2**32)): the sum over its elements of
     ``mix(bits ^ (index * 0x9E3779B9))`` mod 2**32, ``mix`` the lowbias32 integer hash, the bits
-    read as an unsigned 16- or 32-bit integer and ``index`` counted in memory order (a dense
+    read as an unsigned 16- or 32-bit integer (an 8-byte element as two 32-bit words, each with
+    its own index) and ``index`` counted in memory order (a dense
     tensor is read where it lies, whatever its strides; one with gaps or overlaps as its
     contiguous copy).  Any change to one element changes it (each term is a bijection of the
     bits), and the hash is not linear, so neither does a change of every element by one amount

@@ -446,3 +446,55 @@ def test_fingerprint_follows_its_formula_in_memory_order(dtype, device):
     assert prints.dtype == torch.int64 and prints.device == base.device
     assert prints.tolist() == [_fingerprint_reference(t) for t in tensors]
     assert prints[2] != ops.fingerprint([tensors[2].contiguous()])[0]  # memory order, not logical
+
+
+# -- from a fuzzing review of the ops (G12) ----------------------------------------------------
+
+def test_unscale_sparse_flags_a_product_that_overflows_the_output_dtype(device):
+    """The dense ops flag a finite product that overflows the output dtype; the sparse path
+    flagged the float32 product before its cast, so an O3 step with a sparse embedding and a
+    loss scale below 1 stepped inf into the weights."""
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([40000.0, 1.0]), (4,)).to(device)
+    found_inf = torch.zeros(1, device=device)
+    out = ops.unscale_sparse(grad.to(torch.float16), torch.full((1,), 2.0, device=device), found_inf,
+                             torch.float16)
+    assert out.dtype == torch.float16 and out.to_dense()[0].item() == float("inf")
+    assert found_inf.item() == 1.0
+    found_inf.zero_()
+    ops.unscale_sparse(grad, torch.full((1,), 0.5, device=device), found_inf, torch.float16)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_accumulate_a_zero_dim_row(dtype, device):
+    """A scalar parameter (a temperature) with two losses before one step: the fallback
+    broadcast the 0-dim row against the 1-element scale and raised."""
+    out = torch.tensor(2.0, dtype=dtype, device=device)
+    found_inf = torch.zeros(1, device=device)
+    ops.accumulate_unscaled_([torch.tensor(1.0, dtype=dtype, device=device)], [out],
+                             torch.full((1,), 0.5, device=device), found_inf)
+    assert out.shape == () and out.item() == 2.5 and found_inf.item() == 0.0
+
+
+def test_l2norm_of_complex_tensors_counts_both_parts(device):
+    """The norm reached the fallback's ``t.double()``, which drops the imaginary part: a
+    gradient with a zero real part read as zero (grads.py tells zeroed gradients by their norm)."""
+    tensors = [torch.tensor([3 + 4j], device=device), torch.tensor([2j, -1j], device=device),
+               torch.tensor([1 + 1j], device=device).conj()]
+    total, each = ops.l2norm(tensors, per_tensor=True)
+    assert each.tolist() == pytest.approx([5.0, 5 ** 0.5, 2 ** 0.5])
+    assert total.item() == pytest.approx((25 + 5 + 2) ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_fingerprint_of_8_byte_elements_sees_every_bit(dtype, device):
+    """An 8-byte element is read as two 32-bit words: the fallback kept only the low 48 bits, so
+    a sign flip, a doubling or ``w.mul_(-1)`` of a float64 tensor changed nothing."""
+    base = torch.randn(64, dtype=dtype, device=device)
+    before = ops.fingerprint([base])[0]
+    changes = (lambda t: t[0].neg_(), lambda t: t[1].mul_(2), lambda t: t.mul_(-1), lambda t: t[5].add_(2.0 ** -10))
+    for change in changes:
+        written = base.clone()
+        change(written)
+        assert ops.fingerprint([written])[0] != before
+    assert ops.fingerprint([base.clone()])[0] == before
