@@ -68,11 +68,31 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._check_loaded_group(index, group)
 
     def _check_loaded_group(self, index: int, group: dict) -> None:
+        """A group ``__setstate__`` took (pickled, or loaded): refuse it, or settle it."""
+        self._check_group(index, group, saved=True)
+
+    def _check_group(self, index: int, group: dict, saved: bool) -> None:
+        """Refuse a param group (every key filled) that the fused kernels cannot step as it asks:
+        ``saved`` from a checkpoint, else one ``add_param_group`` got.  Changes nothing."""
         for key, accepted in self._REFUSED.items():
             if bool(group.get(key, accepted)) != accepted:
-                raise ValueError(f"{type(self).__name__} cannot continue param group {index}: it was saved with "
-                                 f"{key}={group[key]!r}, which the fused kernels do not implement. Load it into "
-                                 f"the torch.optim optimizer that saved it")
+                raise ValueError(self._refusal(
+                    index, saved, f"{key}={group[key]!r}, which the fused kernels do not implement",
+                    f"leave {key} out of the group, or train it with a torch.optim optimizer"))
+
+    def _refusal(self, index: int, saved: bool, what: str, instead: str) -> str:
+        if saved:
+            return (f"{type(self).__name__} cannot continue param group {index}: it was saved with {what}. Load it "
+                    "into the torch.optim optimizer that saved it; nothing was loaded")
+        return f"{type(self).__name__}.add_param_group: the new group has {what}; {instead}"
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim``'s, refusing first (before the group is added) settings the fused
+        kernels would not follow: a group with ``maximize=True`` would descend, one with
+        ``amsgrad=True`` step without it."""
+        if isinstance(param_group, dict):
+            self._check_group(len(self.param_groups), {**self.defaults, **param_group}, saved=False)
+        super().add_param_group(param_group)
 
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s layout, loadable by ``torch.optim.Adam/AdamW/SGD`` and by these
@@ -222,6 +242,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         moments: remainder masters; each step then uses the state dtype it needs), and the state
         is a copy (torch keeps the checkpoint's tensors where no cast is needed, and the kernels
         update them in place: the checkpoint would change as training goes on)."""
+        for index, group in enumerate(state_dict.get("param_groups", ())):  # refused before anything changes
+            if isinstance(group, dict):
+                self._check_group(index, {**self.defaults, **group}, saved=True)
         saved = {}
         for index, param_state in state_dict.get("state", {}).items():
             if isinstance(param_state, dict):
@@ -394,15 +417,18 @@ class FusedAdam(_FusedOptimizer):
     def _check_loaded_group(self, index: int, group: dict) -> None:
         super()._check_loaded_group(index, group)
         self._adopt_group_step(group)
+        group["decoupled_weight_decay"] = self.adam_w_mode
+
+    def _check_group(self, index: int, group: dict, saved: bool) -> None:
+        super()._check_group(index, group, saved)
         decoupled = bool(group.get("decoupled_weight_decay", self.adam_w_mode))
         if decoupled != self.adam_w_mode and _host_float(group["weight_decay"]) != 0.0:
-            saved = "torch.optim.AdamW or FusedAdam(adam_w_mode=True)" if decoupled else \
+            kind = "torch.optim.AdamW or FusedAdam(adam_w_mode=True)" if decoupled else \
                 "torch.optim.Adam or FusedAdam(adam_w_mode=False)"
-            raise ValueError(f"{type(self).__name__} cannot continue param group {index}: it was saved with "
-                             f"decoupled_weight_decay={decoupled} ({saved}) and weight_decay="
-                             f"{group['weight_decay']}, but this optimizer has adam_w_mode={self.adam_w_mode}. "
-                             f"Construct it with adam_w_mode={decoupled}")
-        group["decoupled_weight_decay"] = self.adam_w_mode
+            raise ValueError(self._refusal(
+                index, saved, f"decoupled_weight_decay={decoupled} ({kind}) and weight_decay="
+                f"{group['weight_decay']}, but this optimizer has adam_w_mode={self.adam_w_mode} for every group",
+                f"construct a second optimizer with adam_w_mode={decoupled} for it"))
 
     def _adopt_group_step(self, group: dict) -> None:
         """An apex ``FusedAdam`` checkpoint counts steps per group: give that count to each of
@@ -523,10 +549,11 @@ class FusedSGD(_FusedOptimizer):
         self.__dict__.setdefault("_momentum_structure", {})
         self.__dict__.setdefault("set_grad_none", False)
 
-    def _check_loaded_group(self, index: int, group: dict) -> None:
-        super()._check_loaded_group(index, group)
+    def _check_group(self, index: int, group: dict, saved: bool) -> None:
+        super()._check_group(index, group, saved)
         if group.get("nesterov") and (_host_float(group["momentum"]) <= 0 or _host_float(group["dampening"]) != 0):
-            raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening")
+            raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening"
+                             + ("; nothing was loaded" if saved else ""))
 
     def _has_momentum(self, group: dict) -> bool:
         momentum = group["momentum"]

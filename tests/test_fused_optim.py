@@ -537,13 +537,24 @@ def test_sgd_buffer_first_applied_on_a_skipped_step_stays_new(device):
     (dict(decoupled_weight_decay=False, weight_decay=0.1), "adam_w_mode=False"),
 ])
 def test_loading_what_the_kernels_cannot_do_is_refused(group, message):
+    """Refused before anything changes (from a review: torch had swapped the groups and the
+    state in first, so the refused optimizer went on at the checkpoint's lr, without AMSGrad,
+    stepping the other optimizer's live moments)."""
     p = torch.zeros(3, requires_grad=True)
-    torch_opt = torch.optim.Adam([p], lr=1e-3, **group)
+    torch_opt = torch.optim.Adam([p], lr=5.0, **group)
     p.grad = torch.ones(3)
     torch_opt.step()
-    fused = FusedAdam([p])  # adam_w_mode=True
+    torch_opt.step()
+    fused = FusedAdam([p], lr=1e-2)  # adam_w_mode=True
+    p.grad = torch.full((3,), 0.5)
+    fused.step()
+    before = copy.deepcopy(fused.state_dict())
     with pytest.raises(ValueError, match=message):
         fused.load_state_dict(torch_opt.state_dict())
+    after = fused.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][0][key], before["state"][0][key]) for key in before["state"][0])
+    assert fused.state[p]["exp_avg"].data_ptr() != torch_opt.state[p]["exp_avg"].data_ptr()
     sgd = torch.optim.SGD([p], lr=0.1, maximize=True)
     with pytest.raises(ValueError, match="maximize=True"):
         FusedSGD([p], lr=0.1).load_state_dict(sgd.state_dict())
@@ -731,3 +742,22 @@ def test_a_fused_adam_pickled_before_its_settings_were_kept_loads_them_back(stat
     loaded = FusedAdam.__new__(FusedAdam)
     loaded.__setstate__(old)
     assert (loaded.adam_w_mode, loaded.state_dtype) == (False, state_dtype)
+
+
+@pytest.mark.parametrize("make, group, message", [
+    (lambda p: FusedAdamW(p, lr=1e-2), dict(maximize=True), "maximize=True"),
+    (lambda p: FusedAdam(p, lr=1e-2), dict(amsgrad=True), "amsgrad=True"),
+    (lambda p: FusedAdamW(p, lr=1e-2), dict(decoupled_weight_decay=False, weight_decay=0.5), "adam_w_mode=False"),
+    (lambda p: FusedSGD(p, lr=0.1), dict(maximize=True), "maximize=True"),
+    (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), dict(nesterov=True, dampening=0.5), "zero dampening"),
+])
+def test_add_param_group_refuses_what_the_kernels_would_not_follow(make, group, message):
+    """From a review: these were accepted and then stepped as if absent (maximize descended:
+    -0.1 where torch gives +0.1; AMSGrad was left out; an Adam group was stepped as AdamW)."""
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt = make([first])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [second], **group})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [second]})  # the same parameter without the setting is fine
+    assert len(opt.param_groups) == 2
