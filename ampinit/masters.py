@@ -300,8 +300,9 @@ class MasterWeights:
         """Model and master take a reported ``value`` that was written in place since, unless
         the model tensor was written too: which came last cannot be told, so the model's write
         is kept (as for a tensor written on both sides between two updates), with a warning.
-        Reads the model's fingerprint on the host, only for a written value."""
-        if value._version == version:
+        Reads the model's fingerprint on the host, only for a written value.  A value no optimizer
+        updates is also compared with the model (:meth:`_written_through_data`)."""
+        if value._version == version and not self._written_through_data(tensor, value):
             return
         stamp, fingerprint = model_mark
         if _stamp(tensor) != stamp or bool(ops.fingerprint([tensor])[0] != fingerprint):
@@ -315,6 +316,20 @@ class MasterWeights:
             with torch.no_grad():
                 tensor.copy_(self._value[tensor])
             self.mark([tensor])
+
+    def _written_through_data(self, tensor: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether the reported ``value`` of a tensor that no optimizer updates (a frozen
+        parameter, a cast buffer) no longer rounds to the model's value: written through
+        ``.data``, which no version counter sees (imaginaire's ``ModelAverage`` writes its
+        frozen average as ``state_dict()[k].data.copy_(...)``).  A trained parameter's master
+        takes such a write into the next step, which copies it into the model; these have no
+        step, and the model would keep its old value for good.  One pass over the tensor and one
+        host read, for these tensors only."""
+        if tensor in self._updated or value.shape != tensor.shape or \
+                (tensor not in self._value and tensor not in self._remainders):
+            return False
+        with torch.no_grad():
+            return not torch.equal(value.to(tensor.dtype), tensor)
 
     def _adopt_reported(self, tensors: Optional[List[torch.Tensor]] = None) -> None:
         """Adopt the writes into the values :meth:`report` handed out for ``tensors`` (default:

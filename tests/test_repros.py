@@ -773,6 +773,72 @@ def test_r13b_in_place_writes_through_model_state_dict_reach_the_model(level, re
         assert torch.equal(state[key], want), key
 
 
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+@pytest.mark.parametrize("dropped", [True, False])
+def test_r13b_data_writes_through_state_dict_reach_frozen_parameters_and_buffers(level, remainders, dropped):
+    """From a review of imaginaire's ``ModelAverage``: a frozen average held inside the
+    initialized model is updated as ``state_dict()[k].data.copy_(...)`` every step.  Frozen
+    parameters and cast buffers have no step to carry a ``.data`` write (no version counter sees
+    it) into the model: the forward kept the old weights for good (5.2 off at O2), while
+    ``state_dict()`` and ``end()`` gave the written ones.  Dropped at once (as the function that
+    writes them returns), the same loop writing without ``.data`` is the reference, bit for bit.
+    Kept alive, the write is taken at the next step (as a trained parameter's master's is): the
+    model and what ``state_dict()`` reports agree then."""
+    class Averaged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.average = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.average.requires_grad_(False)
+            self.register_buffer("shift", torch.zeros(4))
+
+        def forward(self, x):
+            return self.net(x) + self.average(x) + self.shift
+
+    def update_average(model, through_data):
+        source, target = model.net.state_dict(), model.average.state_dict()
+        with torch.no_grad():
+            for key in ("weight", "bias"):
+                mixed = target[key] * 0.5 + source[key] * 0.5
+                (target[key].data if through_data else target[key]).copy_(mixed)
+            shift = model.state_dict()["shift"]
+            (shift.data if through_data else shift).add_(0.25)
+        return source, target, shift
+
+    def run(through_data):
+        torch.manual_seed(0)
+        model = Averaged()
+        opt = (amp.optim.FusedAdam if remainders else torch.optim.Adam)(model.net.parameters(), lr=1e-2)
+        model, opt = initialize_at(model, opt, level, remainders)
+        gen = torch.Generator().manual_seed(1)
+        seen, kept = [], None
+        for _ in range(4):
+            x = torch.randn(8, 4, generator=gen).to(model.net.weight.dtype)
+            out = model(x).float()
+            seen.append(out.detach().clone())
+            opt.zero_grad()
+            with amp.scale_loss(out.pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if not dropped:
+                state = model.state_dict()
+                for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+                    assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+                del state
+            kept = update_average(model, through_data)
+            if dropped:
+                kept = None
+        del kept
+        seen += [t.detach().float().clone() for t in model.state_dict().values()]
+        amp.end(model)
+        return seen + [t.detach().float().clone() for t in model.state_dict().values()]
+
+    if dropped:
+        for got, want in zip(run(through_data=True), run(through_data=False)):
+            assert torch.equal(got, want)
+    else:
+        run(through_data=True)
+
+
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("root", [True, False])
 def test_r13b_state_dict_reports_writes_to_the_model_made_through_data(level, root):
