@@ -574,7 +574,9 @@ class MasterWeights:
         self._reporting = False  # a state_dict() that raised midway must not leave it set
         self._behind_writes_loaded = set()
         if self._reported:
-            self._adopt_reported(None if tensors is None else list(tensors))
+            # with the tensors that no optimizer updates: nothing else takes their .data writes
+            self._adopt_reported(None if tensors is None else
+                                 list(tensors) + [t for t in self._reported if t not in self._updated])
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)
