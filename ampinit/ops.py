@@ -310,7 +310,8 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
 
     ``stochastic_state_rounding``: bfloat16 moments are rounded stochastically (unbiased) instead
     of to nearest, with noise that is a hash of (step, moment, the element's position in the
-    param's memory order): deterministic, the same on every backend and for any strides.  To
+    param's memory order): deterministic, the same noise on every backend and for any strides (the
+    float32 value it rounds may differ in the last bit between backends, see the fallback).  To
     nearest, ``beta2 * v`` rounds back to ``v`` for ``beta2 > 1 - 2**-9`` and ``exp_avg_sq``
     would never decay.
     """

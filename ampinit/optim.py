@@ -358,8 +358,8 @@ class FusedAdam(_FusedOptimizer):
         state_dtype: ``torch.bfloat16`` keeps ``exp_avg``/``exp_avg_sq`` in bfloat16 (4 bytes per
             parameter instead of 8): each step reads them into float32, computes as usual and
             rounds them once, stochastically (unbiased; the noise is a hash of the step, the
-            moment and the element's position in the param's memory order, so a run, its resume
-            and every backend round the same way; a resume with another memory format rounds
+            moment and the element's position in the param's memory order, so a run and its resume
+            round the same way, and every backend draws the same noise; a resume with another memory format rounds
             differently from there on).  To nearest, ``0.999 * exp_avg_sq`` would round back to
             itself and never decay.
             ``None`` (default): the master's dtype (float32 under ``initialize`` at O2/O5, the
