@@ -106,6 +106,35 @@ def _check_flags_device(op: str, tensors: Tensors, *flags: Optional[torch.Tensor
                              f"device={str(device)!r}")
 
 
+def _check_fallback_rows(op: str, rows: Sequence[Tuple[str, Tensors]],
+                         flags: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+                         per_tensor: Optional[torch.Tensor] = None, masters: Optional[Tensors] = None) -> None:
+    """What the kernels check in C++ before they write anything, for a call the fallback takes
+    (no extension, or a float64/complex tensor in the lists): torch's own ops would broadcast a
+    row, ``zip`` would drop one, or an error would come after the first rows were written."""
+    lengths = [len(tensors) for _, tensors in rows]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"ampinit.ops.{op}: {' and '.join(name for name, _ in rows)} must have the same length; "
+                         f"got {lengths}")
+    for name, flag in flags:
+        if flag is not None and (flag.numel() != 1 or flag.dtype != torch.float32):
+            raise ValueError(f"ampinit.ops.{op}: {name} must be a 1-element float32 tensor; got {flag.numel()} "
+                             f"element(s) of {flag.dtype}")
+    if per_tensor is not None and (per_tensor.numel() != lengths[0] or per_tensor.dtype != torch.float32):
+        raise ValueError(f"ampinit.ops.{op}: per_tensor_found_inf must be a float32 tensor of one flag per tensor "
+                         f"({lengths[0]}); got {per_tensor.numel()} element(s) of {per_tensor.dtype}")
+    for index, row in enumerate(zip(*(tensors for _, tensors in rows))):
+        for tensor in row:
+            if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.is_sparse:
+                raise TypeError(f"ampinit.ops.{op}: tensor {index} is a {tensor.layout} {tensor.dtype} tensor; "
+                                "the ops take dense floating-point (or complex) tensors")
+            if tensor.shape != row[0].shape:
+                raise ValueError(f"ampinit.ops.{op}: the tensors at index {index} have shapes "
+                                 f"{tuple(row[0].shape)} and {tuple(tensor.shape)}; each row must have one shape")
+        if masters is not None and masters[index].dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"ampinit.ops.{op}: master {index} is {masters[index].dtype}; masters are float32")
+
+
 # -- complex tensors: their real views -----------------------------------------------------------
 
 def _real_view(tensor: torch.Tensor, op: str, written: bool) -> torch.Tensor:
@@ -165,6 +194,8 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
     if kernels:
         torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
     else:
+        _check_fallback_rows("unscale_", [("inputs", inputs), ("outputs", outputs)],
+                             [("inv_scale", inv_scale), ("found_inf", found_inf)], per_tensor_found_inf)
         _fallback.unscale_(inputs, outputs, inv_scale, found_inf, per_tensor_found_inf)
 
 
@@ -182,6 +213,8 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
     if kernels:
         torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
     else:
+        _check_fallback_rows("accumulate_unscaled_", [("inputs", inputs), ("outputs", outputs)],
+                             [("inv_scale", inv_scale), ("found_inf", found_inf)])
         _fallback.accumulate_unscaled_(inputs, outputs, inv_scale, found_inf, out_weight)
 
 
@@ -195,6 +228,7 @@ def check_finite_(inputs: Tensors, found_inf: torch.Tensor,
     if kernels:
         torch.ops.ampinit.check_finite_(list(inputs), found_inf, per_tensor_found_inf)
     else:
+        _check_fallback_rows("check_finite_", [("inputs", inputs)], [("found_inf", found_inf)], per_tensor_found_inf)
         _fallback.check_finite_(inputs, found_inf, per_tensor_found_inf)
 
 
@@ -212,6 +246,7 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
     if kernels:
         torch.ops.ampinit.copy_(list(outputs), list(inputs))
     else:
+        _check_fallback_rows("copy_", [("outputs", outputs), ("inputs", inputs)])
         _fallback.copy_(outputs, inputs)
 
 
@@ -229,6 +264,7 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
     if kernels:
         torch.ops.ampinit.adopt_changes_(list(masters), list(models), only)
     else:
+        _check_fallback_rows("adopt_changes_", [("masters", masters), ("models", models)], masters=masters)
         _fallback.adopt_changes_(masters, models, only)
 
 

@@ -498,3 +498,41 @@ def test_fingerprint_of_8_byte_elements_sees_every_bit(dtype, device):
         change(written)
         assert ops.fingerprint([written])[0] != before
     assert ops.fingerprint([base.clone()])[0] == before
+
+
+def _bad_calls(device):
+    """(name, call, the tensors it must leave untouched): each call is refused by every backend."""
+    y0, y1, found = torch.zeros(4, device=device), torch.zeros(4, device=device), torch.zeros(1, device=device)
+    half = torch.full((1,), 0.5, device=device)
+    ones, inf4 = torch.ones(4, device=device), torch.full((4,), float("inf"), device=device)
+    d0 = torch.zeros(4, dtype=torch.float64, device=device)  # float64: the fallback takes the call everywhere
+    ints = torch.zeros(4, dtype=torch.int32, device=device)
+    return [
+        ("lengths", lambda: ops.unscale_([ones, ones], [y0], half, found), [y0, found]),
+        ("numel", lambda: ops.unscale_([inf4, torch.ones(5, device=device)], [y0, y1], half, found), [y0, y1, found]),
+        ("broadcast row", lambda: ops.accumulate_unscaled_([ones.double(), torch.ones(1, device=device)], [d0, y1],
+                                                           half, found), [d0, y1, found]),
+        ("same numel, other shape", lambda: ops.unscale_([inf4.double(), torch.ones(1, 4, device=device)], [d0, y1],
+                                                         half, found), [d0, y1, found]),
+        ("per-tensor flags", lambda: ops.unscale_([inf4, ones], [y0, y1], half, found, torch.zeros(3, device=device)),
+         [y0, y1, found]),
+        ("found_inf dtype", lambda: ops.unscale_([ones], [y0], half, d0[:2]), [y0]),
+        ("integer row", lambda: ops.unscale_([inf4, ones], [y0, ints], half, found), [y0, found]),
+        ("copy lengths", lambda: ops.copy_([y0], [inf4, ones]), [y0]),
+        ("float16 master", lambda: ops.adopt_changes_([y0.half()], [ones.half()]), []),
+        ("integer check", lambda: ops.check_finite_([inf4, torch.ones(3, dtype=torch.int64, device=device)], found),
+         [found]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_rows_are_refused_before_anything_is_written(case, device):
+    """From a fuzzing review: the fallback (no extension, or any call holding a float64 or complex
+    row) checked nothing: ``zip`` dropped a row, a (1,) row broadcast into a (4,) one, an integer
+    row failed after row 0 was written with ``found_inf`` left 0."""
+    name, call, untouched = _bad_calls(device)[case]
+    before = [t.clone() for t in untouched]
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        call()
+    for was, now in zip(before, untouched):
+        assert torch.equal(was, now), name
