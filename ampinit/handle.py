@@ -416,6 +416,12 @@ class AmpHandle:
             raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}")
         params = param_group.get("params")
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        # torch >= 2.6 takes (name, tensor) pairs, all or none, and keeps the names as param_names
+        names = [entry[0] for entry in params if isinstance(entry, tuple) and len(entry) == 2]
+        if names:
+            if len(names) != len(params):
+                raise ValueError("add_param_group: give every parameter a name, as (name, tensor) pairs, or none")
+            params = [tensor for _, tensor in params]
         known = {id(model) for b in self._bindings for model, _ in b.flow.pairs()}
         for param in params:
             if not isinstance(param, torch.Tensor):
@@ -440,7 +446,8 @@ class AmpHandle:
             self.masters.check_no_overlap(new)  # before any master is made
         masters = {p: self.masters.take(p) for p in new}
         try:
-            base_add(dict(param_group, params=[masters.get(p, p) for p in params]))
+            stepped = [masters.get(p, p) for p in params]
+            base_add(dict(param_group, params=list(zip(names, stepped)) if names else stepped))
         except BaseException:
             for param in new:
                 self.masters.release(param)

@@ -1224,3 +1224,34 @@ def test_a_new_optimizer_for_a_backbone_frozen_at_initialize_is_refused(where):
     with pytest.raises(RuntimeError, match="was not passed to ampinit.initialize, but it updates 0.weight"):
         head.step() if where == "in_a_post_step_hook" else backbone.step()
     assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
+def test_add_param_group_with_named_parameters(level):
+    """torch >= 2.6 takes ``(name, tensor)`` pairs (an optimizer built over
+    ``model.named_parameters()`` must get named groups): ampinit refused them as "not tensors"
+    at every level.  The head added mid-run trains like plain torch's (O0 bit for bit), and the
+    names are kept."""
+    def run(level):
+        torch.manual_seed(0)
+        body, head = nn.Linear(4, 4), nn.Linear(4, 2)
+        model = nn.Sequential(body, nn.ReLU(), head)
+        opt = torch.optim.AdamW(body.named_parameters(prefix="0"), lr=1e-2)
+        if level is not None:
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": list(head.named_parameters(prefix="2")), "lr": 5e-3})
+            x = torch.randn(8, 4, generator=gen).to(next(model.parameters()).dtype)
+            opt.zero_grad()
+            amp_backward(model(x).float().pow(2).mean(), opt, level)
+            opt.step()
+        assert opt.param_groups[1]["param_names"] == ["2.weight", "2.bias"]
+        return [p.detach().float().clone() for p in model.parameters()]
+
+    for got, want in zip(run(level), run(None)):
+        if level == "O0":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
