@@ -98,6 +98,11 @@ class OptimizerBinding:
         if flow.masters is not None:  # before the checks, which read param_groups
             self.handle.put_masters_back(self.optimizer)
         flow.check_foreign_grads("optimizer.step()")
+        if flow.pending is not None and flow.masters is None and flow.pending.fixed_scale == 1.0:
+            # every backward since the last step was delayed, at a scale of 1 with no masters (O0,
+            # O3, O4): the gradients are final; unscaling them by 1 checks them for inf/NaN, as the
+            # exit of a last block without delay_unscale would (apex stepped them unchecked)
+            self.handle.unscale_delayed([self])
         flow.check_ready_for_step()
         if flow.masters is not None:
             flow.masters.sync(flow.models())

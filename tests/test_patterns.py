@@ -1255,3 +1255,47 @@ def test_add_param_group_with_named_parameters(level):
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("level", ["O0", "O3", "O4", "O1", "O2"])
+@pytest.mark.parametrize("plant", [False, True])
+def test_every_micro_batch_delayed_steps_where_the_scale_is_one_without_masters(level, plant):
+    """``delay_unscale=True`` on every micro-batch (no last block without it): at O0/O3/O4 the
+    scale is 1 and there are no masters, so the gradients are final and apex stepped them; ampinit
+    refused the step.  It steps now, checking them first (a planted inf skips the step; FP32
+    reference: the same accumulation, that step skipped); O0 is bit for bit.  Where the
+    gradients are still scaled (O1, dynamic) or wait for masters (O2) it still raises."""
+    def run(level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if level is not None:
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            opt.zero_grad()
+            bad = plant and step == 1
+            for micro in range(2):
+                x = torch.randn(4, 4, generator=gen)
+                if bad and micro == 1:
+                    x[0, 0] = float("inf")
+                loss = model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
+                if level is None:
+                    loss.backward()
+                else:
+                    with amp.scale_loss(loss, opt, delay_unscale=True) as scaled:
+                        scaled.backward()
+            if level is None and bad:
+                continue  # the step the planted inf skips
+            opt.step()
+        return [p.detach().float().clone() for p in model.parameters()]
+
+    if level in ("O1", "O2"):
+        with pytest.raises(RuntimeError, match="still scaled"):
+            run(level)
+        return
+    for got, want in zip(run(level), run(None)):
+        if level == "O0":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
