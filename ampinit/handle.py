@@ -442,6 +442,12 @@ class AmpHandle:
                 "gives its parameters FP32 masters.  (Parameters used outside the model can stay float32.)",
                 len(made_since), self.config.cast_model_type, self.config.cast_model_type)
         use_masters = self.masters is not None
+        if not use_masters and not self.config.casts_model and \
+                any(p.requires_grad and p.dtype in _LOW_PRECISION for p in params):
+            logger.warning(
+                "ampinit: add_param_group got 16-bit parameters, and opt_level=%r keeps no FP32 master weights: the "
+                "optimizer updates them directly, and most small updates round away.  Add the module in FP32 (the "
+                "level casts per op), or use O2/O5", self.config.opt_level)
         new = [p for p in params if use_masters and p.dtype in _LOW_PRECISION]
         if new:
             self._check_held_by_no_other(new)
