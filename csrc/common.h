@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <optional>
 #include <utility>
@@ -27,8 +28,9 @@ inline void check_same_length(const char* op, const char* name_a, size_t a, cons
               a, " and ", b);
 }
 
-// Every tensor of one row (the i-th entries of each list): same device and numel, a float dtype
-// the kernels handle.
+// Every tensor of one row (the i-th entries of each list): same device and shape, a float dtype
+// the kernels handle.  (Equal numels alone let a (1, 4) row pass for a (4,) one, and the error
+// came from the write-back, after other rows were written.)
 inline void check_row(const char* op, size_t index, at::TensorList row, const at::Device& device) {
   for (const auto& tensor : row) {
     TORCH_CHECK(tensor.defined(), "ampinit.", op, ": tensor ", index, " is undefined");
@@ -39,8 +41,8 @@ inline void check_row(const char* op, size_t index, at::TensorList row, const at
                 "fallback, AMPINIT_DISABLE_EXT=1, for other dtypes)");
     TORCH_CHECK(!tensor.is_sparse(), "ampinit.", op, ": tensor ", index, " is sparse; ampinit.ops.unscale_sparse "
                 "handles sparse gradients");
-    TORCH_CHECK(tensor.numel() == row[0].numel(), "ampinit.", op, ": tensors at index ", index,
-                " have different numbers of elements (", row[0].numel(), " and ", tensor.numel(), ")");
+    TORCH_CHECK(tensor.sizes() == row[0].sizes(), "ampinit.", op, ": tensors at index ", index,
+                " have different shapes (", row[0].sizes(), " and ", tensor.sizes(), "); each row must have one shape");
   }
 }
 
@@ -62,6 +64,18 @@ class DenseRows {
   DenseRows(std::vector<std::vector<at::Tensor>> lists, std::vector<bool> written)
       : lists_(std::move(lists)) {
     const size_t rows = lists_.empty() ? 0 : lists_[0].size();
+    // A written tensor is the row's other tensor itself (in place) or apart from it, as torch's
+    // in-place ops require: a view shifted by one element, or an expanded output, would read
+    // values the same pass has already written.  Checked for every row before any is written.
+    for (size_t i = 0; i < rows; ++i) {
+      for (size_t l = 0; l < lists_.size(); ++l) {
+        if (!written[l]) continue;
+        at::assert_no_internal_overlap(lists_[l][i]);
+        for (size_t m = 0; m < lists_.size(); ++m) {
+          if (m != l) at::assert_no_partial_overlap(lists_[l][i], lists_[m][i]);
+        }
+      }
+    }
     for (size_t i = 0; i < rows; ++i) {
       bool direct = true;
       for (const auto& list : lists_) {

@@ -840,3 +840,22 @@ def test_fairseq_fused_adam_v2_pattern(adam_w_mode):
         resumed.step()
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_one_numel_and_different_shapes_are_read_as_flat_memory():
+    """apex's kernels read every tensor as flat memory, so apex-era code pairs a (4, 4)
+    gradient with a (16,) slice of a flat master buffer; ampinit's kernels take one shape per
+    row, and the apex ops pass such rows as flat views.  Against the same ops on tensors of one
+    shape; a non-contiguous tensor in such a row is refused (apex read it in the wrong order)."""
+    flag = _flag("cpu")
+    grads = [torch.randn(4, 4).half(), torch.randn(3, 2).half()]
+    flat = torch.zeros(22)
+    views = [flat[:16], flat[16:]]
+    amp_C.multi_tensor_scale(CHUNK, flag, [grads, views], 0.5)
+    assert torch.equal(flat, torch.cat([(g.float() * 0.5).reshape(-1) for g in grads]))
+    out = torch.zeros(22)
+    amp_C.multi_tensor_axpby(CHUNK, flag, [grads, views, [out[:16], out[16:]]], 2.0, 1.0, -1)
+    assert torch.equal(out, torch.cat([g.float().reshape(-1) * 2 for g in grads]) + flat)
+    assert flag.item() == 0
+    with pytest.raises(ValueError, match="not contiguous"):
+        amp_C.multi_tensor_scale(CHUNK, flag, [[torch.randn(4, 4).t()], [torch.zeros(16)]], 0.5)

@@ -199,7 +199,7 @@ def test_update_scale_kernel_equals_fallback(device):
     (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [], torch.ones(1, device=d),
                                           torch.zeros(1, device=d)), "same length"),
     (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [torch.ones(4, device=d)],
-                                          torch.ones(1, device=d), torch.zeros(1, device=d)), "numbers of elements"),
+                                          torch.ones(1, device=d), torch.zeros(1, device=d)), "different shapes"),
     (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d)], [torch.ones(3, device=d)],
                                           torch.ones(2, device=d), torch.zeros(1, device=d)), "1-element float32"),
     (lambda d: torch.ops.ampinit.unscale_([torch.ones(3, device=d, dtype=torch.float64)],

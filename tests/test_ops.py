@@ -507,6 +507,7 @@ def _bad_calls(device):
     ones, inf4 = torch.ones(4, device=device), torch.full((4,), float("inf"), device=device)
     d0 = torch.zeros(4, dtype=torch.float64, device=device)  # float64: the fallback takes the call everywhere
     ints = torch.zeros(4, dtype=torch.int32, device=device)
+    shared = torch.arange(20.0, device=device)
     return [
         ("lengths", lambda: ops.unscale_([ones, ones], [y0], half, found), [y0, found]),
         ("numel", lambda: ops.unscale_([inf4, torch.ones(5, device=device)], [y0, y1], half, found), [y0, y1, found]),
@@ -522,17 +523,36 @@ def _bad_calls(device):
         ("float16 master", lambda: ops.adopt_changes_([y0.half()], [ones.half()]), []),
         ("integer check", lambda: ops.check_finite_([inf4, torch.ones(3, dtype=torch.int64, device=device)], found),
          [found]),
+        ("kernels: same numel, other shape", lambda: ops.unscale_([inf4, torch.ones(1, 4, device=device)], [y0, y1],
+                                                                  half, found), [y0, y1, found]),
+        ("output shifted over its input", lambda: ops.unscale_([shared[:16]], [shared[1:17]], half, found),
+         [shared, found]),
+        ("expanded output", lambda: ops.copy_([torch.zeros(1, device=device).expand(4)], [ones]), []),
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(13))
 def test_bad_rows_are_refused_before_anything_is_written(case, device):
     """From a fuzzing review: the fallback (no extension, or any call holding a float64 or complex
     row) checked nothing: ``zip`` dropped a row, a (1,) row broadcast into a (4,) one, an integer
-    row failed after row 0 was written with ``found_inf`` left 0."""
+    row failed after row 0 was written with ``found_inf`` left 0.  The kernels checked numels
+    only (a (1, 4) row failed in the write-back, after the other rows were written, found_inf
+    left 0) and took an output shifted one element over its input (every 16th value wrong)."""
     name, call, untouched = _bad_calls(device)[case]
     before = [t.clone() for t in untouched]
     with pytest.raises((RuntimeError, ValueError, TypeError)):
         call()
     for was, now in zip(before, untouched):
         assert torch.equal(was, now), name
+
+
+@pytest.mark.parametrize("n", [1, 17, 16])
+def test_accumulate_flags_no_padding_lane(n, device):
+    """An inf ``out_weight`` over an inf previous value brings nothing new (the inf was flagged
+    when written); the CPU kernels' zero-padded tail lanes computed 0 * inf = NaN and flagged it
+    for n = 1 and 17, not 16."""
+    out = torch.full((n,), float("inf"), device=device)
+    found = torch.zeros(1, device=device)
+    ops.accumulate_unscaled_([torch.zeros(n, device=device)], [out], torch.ones(1, device=device), found,
+                             out_weight=float("inf"))
+    assert found.item() == 0.0

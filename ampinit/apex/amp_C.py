@@ -54,7 +54,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import ops
-from .multi_tensor_apply import check_tensor_lists
+from .multi_tensor_apply import check_tensor_lists, rows_of_one_shape
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_unscale_l2norm",
            "update_scale_hysteresis", "multi_tensor_adam"]
@@ -94,7 +94,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     ``tensor_lists = [inputs, outputs]``; ``out[i]`` may be ``in[i]``.  Sets ``noop_flag`` to 1
     if a scaled value is inf/NaN; the outputs are written either way."""
     device = check_tensor_lists(noop_flag, tensor_lists, 2, "amp_C.multi_tensor_scale", floating=True)
-    inputs, outputs = tensor_lists
+    inputs, outputs = rows_of_one_shape(tensor_lists, "amp_C.multi_tensor_scale")
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     ops.unscale_(list(inputs), list(outputs), _scalar_tensor(scale, device), found_inf)
     _set_noop(noop_flag, found_inf)
@@ -109,7 +109,7 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     device = check_tensor_lists(noop_flag, tensor_lists, 3, "amp_C.multi_tensor_axpby", floating=True)
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f"amp_C.multi_tensor_axpby: arg_to_check must be -1, 0 or 1, got {arg_to_check!r}")
-    xs, ys, outs = tensor_lists
+    xs, ys, outs = rows_of_one_shape(tensor_lists, "amp_C.multi_tensor_axpby")
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     ignored = torch.zeros(1, dtype=torch.float32, device=device)
     flag_x = found_inf if arg_to_check in (-1, 0) else ignored
@@ -292,7 +292,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
     step = float(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
     bc1, bc2 = (1.0 - beta1 ** step, 1.0 - beta2 ** step) if bias_correction else (1.0, 1.0)
     with torch.no_grad():
-        for grad, param, exp_avg, exp_avg_sq in zip(*tensor_lists):
+        for grad, param, exp_avg, exp_avg_sq in zip(*rows_of_one_shape(tensor_lists, "amp_C.multi_tensor_adam")):
             g, p, m, v = (t.float() for t in (grad, param, exp_avg, exp_avg_sq))
             if mode == 0 and weight_decay != 0:
                 g = g + weight_decay * p

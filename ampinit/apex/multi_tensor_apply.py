@@ -91,6 +91,26 @@ def check_tensor_lists(noop_flag: Any, tensor_lists: Any, depth: Optional[int] =
     return device
 
 
+def rows_of_one_shape(tensor_lists: Sequence[Sequence[torch.Tensor]], where: str) -> list:
+    """``tensor_lists`` with each row whose tensors differ in shape (of one numel: a (4, 4)
+    gradient beside a (16,) slice of a flat buffer) given as flat views: apex's kernels read
+    every tensor as flat memory, while ampinit's ops take one shape per row.  A tensor that has
+    no flat view (not contiguous) is refused: apex would have read it in the wrong order."""
+    lists = [list(tensors) for tensors in tensor_lists]
+    for row in range(len(lists[0]) if lists else 0):
+        shape = lists[0][row].shape
+        if all(tensors[row].shape == shape for tensors in lists):
+            continue
+        for index, tensors in enumerate(lists):
+            try:
+                tensors[row] = tensors[row].view(-1)
+            except RuntimeError:
+                raise ValueError(f"{where}: tensor_lists[{index}][{row}] has shape {tuple(tensors[row].shape)}, "
+                                 f"another tensor of its row {tuple(shape)}, and it is not contiguous: apex reads "
+                                 "such a row as flat memory; pass contiguous tensors (.contiguous())") from None
+    return lists
+
+
 class MultiTensorApply:
     """``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls
     ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)`` and returns its result."""

@@ -59,11 +59,12 @@ inline void for_each_step(int64_t n, const Body& body) {
   if (i < n) body(i, n - i);
 }
 
-// Loads kStep values (or `count` of them, zero padded) as floats.
+// Loads kStep values (or `count` of them, padded with `pad`) as floats.
 template <typename T>
-inline void load_n(const T* src, int64_t count, FloatVec& lo, FloatVec& hi) {
+inline void load_n(const T* src, int64_t count, FloatVec& lo, FloatVec& hi, float pad = 0.0f) {
   if (count == kStep) return load(src, lo, hi);
-  alignas(64) float buffer[kStep] = {};
+  alignas(64) float buffer[kStep];
+  for (int64_t k = count; k < kStep; ++k) buffer[k] = pad;
   for (int64_t k = 0; k < count; ++k) buffer[k] = static_cast<float>(src[k]);
   lo = FloatVec::loadu(buffer);
   hi = FloatVec::loadu(buffer + FloatVec::size());
@@ -147,7 +148,9 @@ bool accumulate(const In* x, Out* y, int64_t n, float inv_scale, float out_weigh
   for_each_step(n, [&](int64_t i, int64_t count) {
     FloatVec c[2], acc[2];
     load_n(x + i, count, c[0], c[1]);
-    load_n(y + i, count, acc[0], acc[1]);
+    // padded with inf, which counts as "not finite before": a padded lane is never flagged
+    // (0 * an inf out_weight would be NaN)
+    load_n(y + i, count, acc[0], acc[1], std::numeric_limits<float>::infinity());
     for (int h = 0; h < 2; ++h) {
       c[h] = c[h] * inv;
       const FloatVec was_finite = acc[h].abs() < inf;
