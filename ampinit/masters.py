@@ -231,18 +231,37 @@ class MasterWeights:
                     if keep_vars:
                         value.requires_grad_(tensor.requires_grad)
         # the model as it is now: a write to it before the value's is adopted wins (see below)
-        if tensor in written:
-            model_mark = written[tensor]
-        elif tensor in self._value:
-            model_mark = self._marks[tensor]
-        else:
-            model_mark = (_stamp(tensor), ops.fingerprint([tensor])[0])
+        self._watch_report(tensor, value, written[tensor] if tensor in written else self._model_mark(tensor))
+        return value
+
+    def _model_mark(self, tensor: torch.Tensor) -> Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]:
+        if tensor in self._value:
+            return self._marks[tensor]
+        return _stamp(tensor), ops.fingerprint([tensor])[0]
+
+    def _watch_report(self, tensor: torch.Tensor, value: torch.Tensor,
+                      model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:
         # the finalizer holds a view (same storage and version counter), not the value itself
         watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark)
         watch.atexit = False
         self._reported.setdefault(tensor, []).append(watch)  # tied weights: one per key
         self._report_views = None
-        return value
+
+    def _recheck_kept_reports(self) -> None:
+        """At an update: take what was written into the values still alive that :meth:`report`
+        handed out for tensors no optimizer updates (in place, or through ``.data``), and go on
+        watching them.  A trained tensor's value is let go at the update (its master moves on),
+        but nothing else would take a later write into these (a dict kept across steps)."""
+        for tensor in [t for t in self._reported if t not in self._updated]:
+            watches = self._reported.pop(tensor)
+            self._report_views = None
+            for watch in watches:
+                pending = watch.detach()  # None: dropped, and adopted then
+                if pending is None:
+                    continue
+                value, _, args, _ = pending
+                self._adopt_report(*args)
+                self._watch_report(tensor, value, self._model_mark(tensor))
 
     def set_reporting(self, opening: bool) -> None:
         """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is looked
@@ -302,10 +321,13 @@ class MasterWeights:
         is kept (as for a tensor written on both sides between two updates), with a warning.
         Reads the model's fingerprint on the host, only for a written value.  A value no optimizer
         updates is also compared with the model (:meth:`_written_through_data`)."""
-        if value._version == version and not self._written_through_data(tensor, value):
+        through_data = value._version == version
+        if through_data and not self._written_through_data(tensor, value):
             return
         stamp, fingerprint = model_mark
         if _stamp(tensor) != stamp or bool(ops.fingerprint([tensor])[0] != fingerprint):
+            if through_data:  # the model was written (a buffer the forward updates): not the value
+                return
             logger.warning("ampinit: %s was written both through a tensor of model.state_dict() and directly "
                            "while that state dict was alive; ampinit cannot tell which came last and keeps the "
                            "model's value.  Write the parameter itself, or use model.load_state_dict()",
@@ -574,9 +596,8 @@ class MasterWeights:
         self._reporting = False  # a state_dict() that raised midway must not leave it set
         self._behind_writes_loaded = set()
         if self._reported:
-            # with the tensors that no optimizer updates: nothing else takes their .data writes
-            self._adopt_reported(None if tensors is None else
-                                 list(tensors) + [t for t in self._reported if t not in self._updated])
+            self._adopt_reported(None if tensors is None else list(tensors))
+            self._recheck_kept_reports()
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)

@@ -838,6 +838,57 @@ def test_r13b_data_writes_through_state_dict_reach_frozen_parameters_and_buffers
         run(through_data=True)
 
 
+@pytest.mark.parametrize("level,remainders", [("O2", False), ("O5", False), ("O5", True)])
+@pytest.mark.parametrize("through_data", [True, False])
+def test_r13b_a_dict_kept_across_a_step_still_carries_writes_to_frozen_tensors(level, remainders, through_data, caplog):
+    """From a review: a ``model.state_dict()`` taken before a step and written after it (then
+    dropped) left a frozen parameter's model value behind for good, while ``state_dict()``
+    reported the write; and a buffer the forward updates while an unwritten dict is alive was
+    warned about as "written both".  FP32 reference: the same writes into the model itself."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.frozen = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.frozen.requires_grad_(False)
+            self.register_buffer("running", torch.zeros(4))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.running.mul_(0.9).add_(0.1 * x.float().mean(0).to(self.running.dtype))
+            return self.frozen(self.lin(x) - self.running)
+
+    def run(level):
+        torch.manual_seed(0)
+        model = Net()
+        opt = (amp.optim.FusedAdam if remainders else torch.optim.Adam)(model.lin.parameters(), lr=1e-2)
+        if level is not None:
+            model, opt = initialize_at(model, opt, level, remainders)
+        dtype = model.lin.weight.dtype
+        gen = torch.Generator().manual_seed(1)
+        kept = model.state_dict()
+        outs = []
+        for step in range(3):
+            out = model(torch.randn(8, 4, generator=gen).to(dtype)).float()
+            outs.append(out.detach().clone())
+            opt.zero_grad()
+            amp_backward(out.pow(2).mean(), opt, level)
+            opt.step()
+            if step == 0:
+                with torch.no_grad():
+                    value = kept["frozen.weight"] if level is not None else model.frozen.weight
+                    (value.data if through_data else value).fill_(0.25)
+                del value
+                kept = None
+        return outs
+
+    with caplog.at_level("WARNING", logger="ampinit"):
+        got, want = run(level), run(None)
+    assert not [r for r in caplog.records if "written both" in r.getMessage()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-2)  # the write moves the outputs by ~1
+
+
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("root", [True, False])
 def test_r13b_state_dict_reports_writes_to_the_model_made_through_data(level, root):
