@@ -182,8 +182,8 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
         torch.where(changed, model, master, out=master)
 
 
-# an 8-byte element (float64, complex64) is read as two 32-bit words, each keyed by its own index
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+# an 8- or 16-byte element (float64, complex64, complex128) is read as 32-bit words, each keyed by its own index
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32, 16: torch.int32}
 _MASK32 = 0xFFFFFFFF
 
 

@@ -421,7 +421,12 @@ class MasterWeights:
         """
         checks = self._forward_checks()
         if [m.dtype for m in checks.models] != checks.dtypes:
-            self.check_model(checks.models)  # p.data = fp32_tensor: say so before torch's dtype error
+            # some parameters cast (layer.weight.data = fp32_tensor): say so before torch's dtype
+            # error; all of them (model.float() for an FP32 evaluation) run, and raise at the next
+            # scale_loss or step unless cast back
+            changed = [m for m, dtype in zip(checks.models, checks.dtypes) if m.dtype != dtype]
+            if len({m.dtype for m in changed}) > 1 or len(changed) < len(checks.models):
+                self.check_model(changed)
         if [m.requires_grad for m in checks.models] != checks.flags or \
                 [m.requires_grad for m in checks.masters] != checks.flags:
             for model, master in zip(checks.models, checks.masters):

@@ -551,7 +551,10 @@ class FusedSGD(_FusedOptimizer):
 
     def _check_group(self, index: int, group: dict, saved: bool) -> None:
         super()._check_group(index, group, saved)
-        if group.get("nesterov") and (_host_float(group["momentum"]) <= 0 or _host_float(group["dampening"]) != 0):
+        # a group given at construction or added may differ from the defaults, as torch.optim.SGD
+        # allows (it checks only its own arguments: a group with momentum 0 steps as plain SGD)
+        if saved and group.get("nesterov") and \
+                (_host_float(group["momentum"]) <= 0 or _host_float(group["dampening"]) != 0):
             raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening"
                              + ("; nothing was loaded" if saved else ""))
 

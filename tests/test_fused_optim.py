@@ -761,3 +761,20 @@ def test_add_param_group_refuses_what_the_kernels_would_not_follow(make, group, 
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [second]})  # the same parameter without the setting is fine
     assert len(opt.param_groups) == 2
+
+
+def test_a_group_without_momentum_in_a_nesterov_fused_sgd_steps_like_torch():
+    """From a review: torch.optim.SGD checks nesterov against its own arguments only, and steps a
+    group with momentum 0 as plain SGD; the group check refused it at construction."""
+    def run(make):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+        opt = make([{"params": [a]}, {"params": [b], "momentum": 0.0}])
+        for step in range(4):
+            a.grad, b.grad = torch.full((5,), 0.1 * step + 0.3), torch.full((5,), -0.2)
+            opt.step()
+        return [a.detach().clone(), b.detach().clone()]
+
+    for got, want in zip(run(lambda g: FusedSGD(g, lr=0.1, momentum=0.9, nesterov=True)),
+                         run(lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

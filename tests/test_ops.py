@@ -486,7 +486,7 @@ def test_l2norm_of_complex_tensors_counts_both_parts(device):
     assert total.item() == pytest.approx((25 + 5 + 2) ** 0.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.complex128])
 def test_fingerprint_of_8_byte_elements_sees_every_bit(dtype, device):
     """An 8-byte element is read as two 32-bit words: the fallback kept only the low 48 bits, so
     a sign flip, a doubling or ``w.mul_(-1)`` of a float64 tensor changed nothing."""

@@ -1293,20 +1293,29 @@ def test_scale_loss_after_end_says_so():
 @pytest.mark.parametrize("cast_back", ["float", "double", "other_16_bit", "data_fp32"])
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_model_cast_back_after_o2_is_a_clear_error(cast_back, level):
-    """``model.float()`` or ``layer.weight.data = fp32_tensor`` after ``initialize``: the model's
-    forward says what happened (torch's own error was a dtype mismatch in the matmul, or, where
-    the forward went through, one at ``scale_loss``), and nothing was stepped."""
+    """``layer.weight.data = fp32_tensor`` after ``initialize``: the forward says what happened
+    (torch's own error was a dtype mismatch in the matmul).  A cast of the whole model
+    (``model.float()``, an FP32 evaluation or export) runs its forward, as before, and training
+    on without casting back raises at ``scale_loss``; cast back, it trains on.  Nothing was
+    stepped in between."""
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    dtype = model[0].weight.dtype
     masters = [p.detach().clone() for p in opt.param_groups[0]["params"]]
     if cast_back == "data_fp32":
         model[2].weight.data = torch.ones(2, 3)
-    elif cast_back == "other_16_bit":
-        model.half() if level == "O5" else model.bfloat16()
+        with pytest.raises(RuntimeError, match=r"cast or moved after initialize.*\.data was replaced"):
+            model(torch.randn(2, 4))
     else:
-        getattr(model, cast_back)()
-    with pytest.raises(RuntimeError, match=r"cast or moved after initialize.*\.data was replaced"):
-        model(torch.randn(2, 4))
+        model.half() if cast_back == "other_16_bit" and level == "O5" else \
+            getattr(model, "bfloat16" if cast_back == "other_16_bit" else cast_back)()
+        out = model(torch.randn(2, 4))  # the forward follows the model's dtype
+        with pytest.raises(RuntimeError, match="cast or moved after initialize"):
+            with amp.scale_loss(out.float().sum(), opt) as scaled:
+                scaled.backward()
+        model.to(dtype)  # cast back: trains on
+        with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
     assert all(torch.equal(a, b) for a, b in zip(masters, opt.param_groups[0]["params"]))
 
 
