@@ -151,12 +151,13 @@ class _EnterAutocast:
             param = ref()
             if param is not None and param.dtype != dtype:
                 self.probe = None  # logged once
+                low = param.dtype in (torch.float16, torch.bfloat16)
                 logger.warning(
                     "ampinit: %s is %s, but initialize left it %s: the model was cast after initialize "
                     "(model.half(), model.to(...)).  At this level (O1/O4) nothing keeps FP32 master weights, so its "
-                    "optimizer updates the cast weights directly, and most small 16-bit updates round away.  Keep the "
-                    "model in FP32 (the level casts per op), or end it and initialize at O2/O5", name, param.dtype,
-                    dtype)
+                    "optimizer updates the cast weights directly%s.  Keep the model in FP32 (the level casts per op)%s",
+                    name, param.dtype, dtype, ", and most small 16-bit updates round away" if low else "",
+                    ", or end it and initialize at O2/O5" if low else "")
         self.scope.enter()
 
 
@@ -206,7 +207,9 @@ class ModelCasting:
         self._pre_hook: Any = None
         if autocast_dtype is not None:
             scope = _AutocastScope(device_type, autocast_dtype, registry.torch_policies())
-            probe = next(((name, p) for name, p in model.named_parameters() if p.is_floating_point()), None)
+            # a trained one (a frozen embedding listed first may stay FP32 while the rest is cast)
+            params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+            probe = next(((name, p) for name, p in params if p.requires_grad), params[0] if params else None)
             self._pre_hook = _EnterAutocast(scope, probe)
         elif low_precision:
             cast_params = {id(t) for t in self.original_dtypes if isinstance(t, nn.Parameter)}
