@@ -241,27 +241,19 @@ class MasterWeights:
 
     def _watch_report(self, tensor: torch.Tensor, value: torch.Tensor,
                       model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:
+        # A tensor no optimizer updates (a frozen parameter, a cast buffer) has no step to carry a
+        # write through .data (no version counter sees it: imaginaire's ModelAverage writes its
+        # frozen average as state_dict()[k].data.copy_(...)) into the model: the value's
+        # fingerprint, taken now and compared when it is let go, tells (one pass each time, for
+        # these tensors only; a trained parameter's master takes such a write into its next step).
+        untrained = tensor not in self._updated and (tensor in self._value or tensor in self._remainders)
+        value_print = ops.fingerprint([value.detach()])[0] if untrained else None
         # the finalizer holds a view (same storage and version counter), not the value itself
-        watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark)
+        watch = weakref.finalize(value, self._adopt_report, tensor, value.detach(), value._version, model_mark,
+                                 value_print)
         watch.atexit = False
         self._reported.setdefault(tensor, []).append(watch)  # tied weights: one per key
         self._report_views = None
-
-    def _recheck_kept_reports(self) -> None:
-        """At an update: take what was written into the values still alive that :meth:`report`
-        handed out for tensors no optimizer updates (in place, or through ``.data``), and go on
-        watching them.  A trained tensor's value is let go at the update (its master moves on),
-        but nothing else would take a later write into these (a dict kept across steps)."""
-        for tensor in [t for t in self._reported if t not in self._updated]:
-            watches = self._reported.pop(tensor)
-            self._report_views = None
-            for watch in watches:
-                pending = watch.detach()  # None: dropped, and adopted then
-                if pending is None:
-                    continue
-                value, _, args, _ = pending
-                self._adopt_report(*args)
-                self._watch_report(tensor, value, self._model_mark(tensor))
 
     def set_reporting(self, opening: bool) -> None:
         """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is looked
@@ -315,19 +307,23 @@ class MasterWeights:
         return {t: (_stamp(t), fingerprint) for (t, fingerprint), d in zip(candidates, differ) if d}
 
     def _adopt_report(self, tensor: torch.Tensor, value: torch.Tensor, version: int,
-                      model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:
-        """Model and master take a reported ``value`` that was written in place since, unless
-        the model tensor was written too: which came last cannot be told, so the model's write
-        is kept (as for a tensor written on both sides between two updates), with a warning.
-        Reads the model's fingerprint on the host, only for a written value.  A value no optimizer
-        updates is also compared with the model (:meth:`_written_through_data`)."""
-        through_data = value._version == version
-        if through_data and not self._written_through_data(tensor, value):
+                      model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor],
+                      value_print: Optional[torch.Tensor] = None) -> None:
+        """Model and master take a reported ``value`` that was written since (in place, or, for a
+        tensor no optimizer updates, through ``.data``: its ``value_print`` changed), unless the
+        model tensor was written too: which came last cannot be told, so the model's write is
+        kept (as for a tensor written on both sides between two updates), with a warning.  Reads
+        fingerprints on the host, the value's where it has one, the model's only for a written
+        value."""
+        written = value._version != version
+        if not written and value_print is not None:
+            written = bool(ops.fingerprint([value])[0] != value_print)
+        if not written:
             return
         stamp, fingerprint = model_mark
         if _stamp(tensor) != stamp or bool(ops.fingerprint([tensor])[0] != fingerprint):
-            if through_data:  # the model was written (a buffer the forward updates): not the value
-                return
+            if value.shape == tensor.shape and torch.equal(value.to(tensor.dtype), tensor):
+                return  # the model holds it already: a tied weight's other key was adopted first
             logger.warning("ampinit: %s was written both through a tensor of model.state_dict() and directly "
                            "while that state dict was alive; ampinit cannot tell which came last and keeps the "
                            "model's value.  Write the parameter itself, or use model.load_state_dict()",
@@ -338,20 +334,6 @@ class MasterWeights:
             with torch.no_grad():
                 tensor.copy_(self._value[tensor])
             self.mark([tensor])
-
-    def _written_through_data(self, tensor: torch.Tensor, value: torch.Tensor) -> bool:
-        """Whether the reported ``value`` of a tensor that no optimizer updates (a frozen
-        parameter, a cast buffer) no longer rounds to the model's value: written through
-        ``.data``, which no version counter sees (imaginaire's ``ModelAverage`` writes its
-        frozen average as ``state_dict()[k].data.copy_(...)``).  A trained parameter's master
-        takes such a write into the next step, which copies it into the model; these have no
-        step, and the model would keep its old value for good.  One pass over the tensor and one
-        host read, for these tensors only."""
-        if tensor in self._updated or value.shape != tensor.shape or \
-                (tensor not in self._value and tensor not in self._remainders):
-            return False
-        with torch.no_grad():
-            return not torch.equal(value.to(tensor.dtype), tensor)
 
     def _adopt_reported(self, tensors: Optional[List[torch.Tensor]] = None) -> None:
         """Adopt the writes into the values :meth:`report` handed out for ``tensors`` (default:
@@ -602,7 +584,6 @@ class MasterWeights:
         self._behind_writes_loaded = set()
         if self._reported:
             self._adopt_reported(None if tensors is None else list(tensors))
-            self._recheck_kept_reports()
         if not self._compared_once:
             self._compared_once = True
             tensors = list(self._value)

@@ -782,8 +782,8 @@ def test_r13b_data_writes_through_state_dict_reach_frozen_parameters_and_buffers
     it) into the model: the forward kept the old weights for good (5.2 off at O2), while
     ``state_dict()`` and ``end()`` gave the written ones.  Dropped at once (as the function that
     writes them returns), the same loop writing without ``.data`` is the reference, bit for bit.
-    Kept alive, the write is taken at the next step (as a trained parameter's master's is): the
-    model and what ``state_dict()`` reports agree then."""
+    Kept alive until the next write, the write is taken when the dict goes: at the end, the
+    model and what ``state_dict()`` reports agree."""
     class Averaged(nn.Module):
         def __init__(self):
             super().__init__()
@@ -819,15 +819,15 @@ def test_r13b_data_writes_through_state_dict_reach_frozen_parameters_and_buffers
             with amp.scale_loss(out.pow(2).mean(), opt) as scaled:
                 scaled.backward()
             opt.step()
-            if not dropped and kept is not None:  # still alive: the step took the writes
-                source, target, shift = kept
-                assert torch.equal(model.average.weight, target["weight"].to(model.average.weight.dtype))
-                assert torch.equal(model.shift, shift.to(model.shift.dtype))
             kept = update_average(model, through_data)
             if dropped:
                 kept = None
         del kept
-        seen += [t.detach().float().clone() for t in model.state_dict().values()]
+        state = model.state_dict()
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+        seen += [t.detach().float().clone() for t in state.values()]
+        del state
         amp.end(model)
         return seen + [t.detach().float().clone() for t in model.state_dict().values()]
 
