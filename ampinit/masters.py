@@ -598,6 +598,8 @@ class MasterWeights:
             self.check_model(list(self._remainders))
             self.mark(tensors)
             return
+        # model.float() at O5 with remainder masters: a clear error here, not the kernels'
+        self.check_model(list(self._remainders) if tensors is None else [t for t in tensors if t in self._remainders])
         tensors = list(self._value) if tensors is None else [t for t in tensors if t in self._value]
         self.check_model(tensors)
         self._adopt_written(tensors)

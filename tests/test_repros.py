@@ -1605,3 +1605,27 @@ def test_r13f_a_refused_add_param_group_makes_no_master():
     with pytest.raises(ValueError, match="shares memory with another parameter added with it"):
         opt.add_param_group({"params": [nn.Parameter(buffer[:12]), nn.Parameter(buffer[8:])]})
     assert len(masters.tensors()) == before and extra not in masters and len(opt.param_groups) == 1
+
+
+def test_a_model_cast_after_initialize_with_remainder_masters_is_a_clear_error():
+    """From a review: at O5 with remainder masters, training on after ``model.float()`` failed in
+    the kernels ("param 0 has remainders, so it must be a contiguous bfloat16 tensor") or, on the
+    fallback, with a size mismatch; cast back, it trains on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model, opt = initialize_at(model, amp.optim.FusedSGD(model.parameters(), lr=0.1), "O5", remainders=True)
+    with amp.scale_loss(model(torch.randn(2, 4).bfloat16()).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()  # training has started (the first step compares everything once)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model.float()
+    with pytest.raises(RuntimeError, match="cast or moved after initialize"):
+        with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(weights, model.parameters()))
+    model.to(torch.bfloat16)
+    opt.zero_grad()
+    with amp.scale_loss(model(torch.randn(2, 4).bfloat16()).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
