@@ -749,11 +749,11 @@ def test_a_fused_adam_pickled_before_its_settings_were_kept_loads_them_back(stat
     (lambda p: FusedAdam(p, lr=1e-2), dict(amsgrad=True), "amsgrad=True"),
     (lambda p: FusedAdamW(p, lr=1e-2), dict(decoupled_weight_decay=False, weight_decay=0.5), "adam_w_mode=False"),
     (lambda p: FusedSGD(p, lr=0.1), dict(maximize=True), "maximize=True"),
-    (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), dict(nesterov=True, dampening=0.5), "zero dampening"),
 ])
 def test_add_param_group_refuses_what_the_kernels_would_not_follow(make, group, message):
     """From a review: these were accepted and then stepped as if absent (maximize descended:
-    -0.1 where torch gives +0.1; AMSGrad was left out; an Adam group was stepped as AdamW)."""
+    -0.1 where torch gives +0.1; AMSGrad was left out; an Adam group was stepped as AdamW).
+    (Nesterov with dampening in a group is stepped as torch steps it: see below.)"""
     first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
     opt = make([first])
     with pytest.raises(ValueError, match=message):
@@ -763,17 +763,21 @@ def test_add_param_group_refuses_what_the_kernels_would_not_follow(make, group, 
     assert len(opt.param_groups) == 2
 
 
-def test_a_group_without_momentum_in_a_nesterov_fused_sgd_steps_like_torch():
+@pytest.mark.parametrize("group", [dict(momentum=0.0), dict(dampening=0.5)])
+def test_a_group_without_momentum_in_a_nesterov_fused_sgd_steps_like_torch(group):
     """From a review: torch.optim.SGD checks nesterov against its own arguments only, and steps a
-    group with momentum 0 as plain SGD; the group check refused it at construction."""
+    group with momentum 0 as plain SGD, one with dampening with both; the group check refused the
+    first at construction.  Both are stepped as torch steps them, also when added later."""
     def run(make):
         torch.manual_seed(0)
-        a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
-        opt = make([{"params": [a]}, {"params": [b], "momentum": 0.0}])
+        a, b, c = (torch.nn.Parameter(torch.randn(5)) for _ in range(3))
+        opt = make([{"params": [a]}, {"params": [b], **group}])
+        opt.add_param_group({"params": [c], **group})
         for step in range(4):
-            a.grad, b.grad = torch.full((5,), 0.1 * step + 0.3), torch.full((5,), -0.2)
+            a.grad, b.grad = torch.full((5,), 0.1 * step + 0.3), torch.full((5,), 0.1 * step - 0.2)
+            c.grad = torch.full((5,), 0.05 * step)
             opt.step()
-        return [a.detach().clone(), b.detach().clone()]
+        return [a.detach().clone(), b.detach().clone(), c.detach().clone()]
 
     for got, want in zip(run(lambda g: FusedSGD(g, lr=0.1, momentum=0.9, nesterov=True)),
                          run(lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True))):
