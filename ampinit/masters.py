@@ -231,16 +231,12 @@ class MasterWeights:
                     if keep_vars:
                         value.requires_grad_(tensor.requires_grad)
         # the model as it is now: a write to it before the value's is adopted wins (see below)
-        self._watch_report(tensor, value, written[tensor] if tensor in written else self._model_mark(tensor))
-        return value
-
-    def _model_mark(self, tensor: torch.Tensor) -> Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]:
-        if tensor in self._value:
-            return self._marks[tensor]
-        return _stamp(tensor), ops.fingerprint([tensor])[0]
-
-    def _watch_report(self, tensor: torch.Tensor, value: torch.Tensor,
-                      model_mark: Tuple[Tuple[int, int, Tuple[int, ...]], torch.Tensor]) -> None:
+        if tensor in written:
+            model_mark = written[tensor]
+        elif tensor in self._value:
+            model_mark = self._marks[tensor]
+        else:
+            model_mark = (_stamp(tensor), ops.fingerprint([tensor])[0])
         # A tensor no optimizer updates (a frozen parameter, a cast buffer) has no step to carry a
         # write through .data (no version counter sees it: imaginaire's ModelAverage writes its
         # frozen average as state_dict()[k].data.copy_(...)) into the model: the value's
@@ -254,6 +250,7 @@ class MasterWeights:
         watch.atexit = False
         self._reported.setdefault(tensor, []).append(watch)  # tied weights: one per key
         self._report_views = None
+        return value
 
     def set_reporting(self, opening: bool) -> None:
         """A ``model.state_dict()`` of the whole model starts (``opening``: every tensor is looked

@@ -555,8 +555,8 @@ class FusedSGD(_FusedOptimizer):
         # allows (it checks only its own arguments: a group with momentum 0 steps as plain SGD)
         if saved and group.get("nesterov") and \
                 (_host_float(group["momentum"]) <= 0 or _host_float(group["dampening"]) != 0):
-            raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening"
-                             + ("; nothing was loaded" if saved else ""))
+            raise ValueError(f"param group {index}: Nesterov momentum requires a momentum and zero dampening; "
+                             "nothing was loaded")
 
     def _has_momentum(self, group: dict) -> bool:
         momentum = group["momentum"]
