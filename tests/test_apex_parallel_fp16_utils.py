@@ -2,27 +2,17 @@
 apex's arguments, SyncBatchNorm on the CPU, LARC, and FP16_Optimizer, each against a reference."""
 import copy
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import WORLD, spawn
 from torch import nn
 
 import ampinit as amp
 from ampinit.apex import fp16_utils, parallel
-
-WORLD = 2
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard(rank, n=8):
@@ -30,28 +20,21 @@ def _shard(rank, n=8):
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
 
 
-def ddp_worker(rank, port, kwargs, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(rank)  # apex's DDP broadcasts rank 0's weights; so does torch's
-        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
-        model = parallel.convert_syncbn_model(model)  # apex's order: convert, initialize, wrap
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-        ddp = parallel.DistributedDataParallel(model, **kwargs)
-        x, y = _shard(rank)
-        opt.zero_grad()
-        with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
-            scaled.backward()
-        grads = [p.grad.detach().clone() for p in amp.master_params(opt)]
-        opt.step()
-        torch.save({"grads": grads, "running_mean": model[1].running_mean.clone()},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def ddp_worker(rank, kwargs, out_dir):
+    torch.manual_seed(rank)  # apex's DDP broadcasts rank 0's weights; so does torch's
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    model = parallel.convert_syncbn_model(model)  # apex's order: convert, initialize, wrap
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    ddp = parallel.DistributedDataParallel(model, **kwargs)
+    x, y = _shard(rank)
+    opt.zero_grad()
+    with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
+        scaled.backward()
+    grads = [p.grad.detach().clone() for p in amp.master_params(opt)]
+    opt.step()
+    torch.save({"grads": grads, "running_mean": model[1].running_mean.clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("kwargs, average", [
@@ -62,7 +45,7 @@ def ddp_worker(rank, port, kwargs, out_dir):
 def test_distributed_data_parallel_with_apex_arguments(kwargs, average, tmp_path):
     """2 ranks, different seeds and data, SyncBatchNorm on the CPU: the gradients equal one
     process's on the whole batch (averaged) or twice that (gradient_average=False)."""
-    mp.spawn(ddp_worker, args=(free_port(), kwargs, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(ddp_worker, kwargs, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for a, b in zip(results[0]["grads"], results[1]["grads"]):
         assert torch.equal(a, b)
@@ -93,26 +76,19 @@ class _MaskHead(nn.Module):
         return h.sum(dim=1, keepdim=True) + (self.mask_head(h) if use_mask else 0.0)
 
 
-def unused_worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        model = _MaskHead()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=128.0)
-        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True)
-        x, y = _shard(rank)
-        for step in range(4):
-            opt.zero_grad()
-            with amp.scale_loss(((ddp(x, step % 2 == 0).float() - y) ** 2).mean(), opt) as scaled:
-                scaled.backward()
-            opt.step()
-        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def unused_worker(rank, out_dir):
+    torch.manual_seed(0)
+    model = _MaskHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=128.0)
+    ddp = parallel.DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _shard(rank)
+    for step in range(4):
+        opt.zero_grad()
+        with amp.scale_loss(((ddp(x, step % 2 == 0).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_delay_allreduce_takes_parameters_unused_in_an_iteration(tmp_path):
@@ -120,7 +96,7 @@ def test_delay_allreduce_takes_parameters_unused_in_an_iteration(tmp_path):
     iterations leave without gradients.  apex all-reduced the gradients that exist at the end of
     the backward; torch's DDP raised at the second iteration.  Reference: one process on the
     whole batch (each rank's loss a mean over its shard)."""
-    mp.spawn(unused_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(unused_worker, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for a, b in zip(*results):
         assert torch.equal(a, b)

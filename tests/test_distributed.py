@@ -5,25 +5,16 @@ through the gradient all-reduce, so all ranks skip the same step and stay identi
 """
 import logging
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import WORLD, spawn
 from torch import nn
 
 import ampinit as amp
 from ampinit.optim import FusedAdam
 
-WORLD = 2
 POISON_STEP, POISON_RANK, STEPS = 4, 1, 10
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Warnings(logging.Handler):
@@ -35,42 +26,35 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def ddp_worker(rank, port, level, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)  # same initial weights on every rank
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        data = torch.Generator().manual_seed(100 + rank)  # different data per rank
-        skipped_at = []
-        for step in range(STEPS):
-            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
-            loss = ((ddp(x).float() - y) ** 2).mean()
-            if step == POISON_STEP and rank == POISON_RANK:
-                loss = loss * float("inf")
-            opt.zero_grad()
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            before = opt.amp.skipped_steps
-            opt.step()
-            if opt.amp.skipped_steps != before:
-                skipped_at.append(step)
-        torch.save({"params": [p.detach() for p in model.parameters()],
-                    "masters": [p.detach() for p in amp.master_params(opt)],
-                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
-    finally:
-        dist.destroy_process_group()
+def ddp_worker(rank, level, out_dir):
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    data = torch.Generator().manual_seed(100 + rank)  # different data per rank
+    skipped_at = []
+    for step in range(STEPS):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+        loss = ((ddp(x).float() - y) ** 2).mean()
+        if step == POISON_STEP and rank == POISON_RANK:
+            loss = loss * float("inf")
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        before = opt.amp.skipped_steps
+        opt.step()
+        if opt.amp.skipped_steps != before:
+            skipped_at.append(step)
+    torch.save({"params": [p.detach() for p in model.parameters()],
+                "masters": [p.detach() for p in amp.master_params(opt)],
+                "scale": opt.amp.loss_scale(), "skipped_at": skipped_at},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O5"])
 def test_ddp_overflow_on_one_rank_skips_everywhere(level, tmp_path):
-    mp.spawn(ddp_worker, args=(free_port(), level, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(ddp_worker, level, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for result in results:
         assert result["skipped_at"] == [POISON_STEP]
@@ -80,14 +64,11 @@ def test_ddp_overflow_on_one_rank_skips_everywhere(level, tmp_path):
             assert torch.equal(a, b) and torch.isfinite(a).all()
 
 
-def in_block_watch_worker(rank, port, wrapper, out_dir):
+def in_block_watch_worker(rank, wrapper, out_dir):
     """One rank: DDP (buckets copied back, or gradients as bucket views) and FSDP2 write the
     reduced gradients in final callbacks of the backward.  The watch on gradients changed inside
     the scale_loss block must look after them, or every such step would be logged."""
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=1)
     warnings = _Warnings()
     logger = logging.getLogger("ampinit")
     logger.addHandler(warnings)
@@ -107,46 +88,37 @@ def in_block_watch_worker(rank, port, wrapper, out_dir):
                 scaled.backward()
             opt.step()
         torch.save({"warnings": list(warnings.messages)}, os.path.join(out_dir, f"rank{rank}.pt"))
-        del run, model, opt
     finally:
         logger.removeHandler(warnings)
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "ddp-bucket-view", "fsdp2"])
 def test_gradients_reduced_after_the_backward_are_not_taken_for_changes_in_the_block(wrapper, tmp_path):
-    mp.spawn(in_block_watch_worker, args=(free_port(), wrapper, str(tmp_path)), nprocs=1, join=True)
+    spawn(in_block_watch_worker, wrapper, str(tmp_path), nprocs=1)
     messages = torch.load(tmp_path / "rank0.pt")["warnings"]
     assert not any("changed inside" in message for message in messages), messages
 
 
-def seeds_worker(rank, port, level, out_dir):
+def seeds_worker(rank, level, out_dir):
     """apex's DDP example: no common seed, initialize, then wrap in DDP."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(rank)  # different initial weights per rank
-        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
-        if level == "O5-remainder":  # masters as bf16 weights + remainders: those must agree too
-            opt = FusedAdam(model.parameters(), lr=1e-2, eps=1e-4, adam_w_mode=False)
-            model, opt = amp.initialize(model, opt, opt_level="O5", master_weights="remainder", verbosity=0)
-        else:
-            opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
-            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        for step in range(STEPS):
-            x, y = _shard(step, rank)
-            opt.zero_grad()
-            with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
-                scaled.backward()
-            opt.step()
-        torch.save({"params": [p.detach() for p in model.parameters()],
-                    "masters": [p.detach() for p in amp.master_params(opt)],
-                    "fp32": list(model.state_dict().values())}, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(rank)  # different initial weights per rank
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    if level == "O5-remainder":  # masters as bf16 weights + remainders: those must agree too
+        opt = FusedAdam(model.parameters(), lr=1e-2, eps=1e-4, adam_w_mode=False)
+        model, opt = amp.initialize(model, opt, opt_level="O5", master_weights="remainder", verbosity=0)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for step in range(STEPS):
+        x, y = _shard(step, rank)
+        opt.zero_grad()
+        with amp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    torch.save({"params": [p.detach() for p in model.parameters()],
+                "masters": [p.detach() for p in amp.master_params(opt)],
+                "fp32": list(model.state_dict().values())}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _shard(step, rank):
@@ -156,7 +128,7 @@ def _shard(step, rank):
 
 @pytest.mark.parametrize("level", ["O2", "O5", "O5-remainder"])
 def test_ddp_ranks_seeded_differently_end_identical_and_train_like_one_process(level, tmp_path):
-    mp.spawn(seeds_worker, args=(free_port(), level, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(seeds_worker, level, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for key in ("params", "masters", "fp32"):
         for a, b in zip(results[0][key], results[1][key]):
@@ -176,55 +148,47 @@ def test_ddp_ranks_seeded_differently_end_identical_and_train_like_one_process(l
         torch.testing.assert_close(a.float(), b.detach(), rtol=2e-2, atol=5e-3)
 
 
-def fsdp_worker(rank, port, case, out_dir):
+def fsdp_worker(rank, case, out_dir):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) \
-            if case == "fsdp-fp16-O0-dynamic" else MixedPrecisionPolicy()
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        if case == "O2-rejected":
-            try:
-                amp.initialize(model, opt, opt_level="O2", verbosity=0)
-            except ValueError as error:
-                torch.save({"error": str(error)}, os.path.join(out_dir, f"rank{rank}.pt"))
-            dist.barrier()
-            return
-        kwargs = dict(opt_level="O1") if case == "O1" else dict(opt_level="O0", loss_scale="dynamic")
-        model, opt = amp.initialize(model, opt, verbosity=0, **kwargs)
-        data = torch.Generator().manual_seed(100 + rank)
-        skipped_at = []
-        for step in range(STEPS):
-            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
-            opt.zero_grad()
-            with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
-                scaled.backward()
-                if step == POISON_STEP and rank == POISON_RANK:
-                    # inf in this rank's shard only: the other rank's shard is clean
-                    model[2].weight.grad.to_local()[0, 0] = float("inf")
-            before = opt.amp.skipped_steps
-            opt.step()
-            if opt.amp.skipped_steps != before:
-                skipped_at.append(step)
-        torch.save({"params": [p.full_tensor().detach() for p in model.parameters()],
-                    "scale": opt.amp.loss_scale(), "skipped_at": skipped_at,
-                    "overflow_params": opt.amp.last_overflow_params},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # leave together: tearing gloo down under a busy peer can abort it
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) \
+        if case == "fsdp-fp16-O0-dynamic" else MixedPrecisionPolicy()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if case == "O2-rejected":
+        try:
+            amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        except ValueError as error:
+            torch.save({"error": str(error)}, os.path.join(out_dir, f"rank{rank}.pt"))
+        return
+    kwargs = dict(opt_level="O1") if case == "O1" else dict(opt_level="O0", loss_scale="dynamic")
+    model, opt = amp.initialize(model, opt, verbosity=0, **kwargs)
+    data = torch.Generator().manual_seed(100 + rank)
+    skipped_at = []
+    for step in range(STEPS):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+        opt.zero_grad()
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+            if step == POISON_STEP and rank == POISON_RANK:
+                # inf in this rank's shard only: the other rank's shard is clean
+                model[2].weight.grad.to_local()[0, 0] = float("inf")
+        before = opt.amp.skipped_steps
+        opt.step()
+        if opt.amp.skipped_steps != before:
+            skipped_at.append(step)
+    torch.save({"params": [p.full_tensor().detach() for p in model.parameters()],
+                "scale": opt.amp.loss_scale(), "skipped_at": skipped_at,
+                "overflow_params": opt.amp.last_overflow_params},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("case", ["O1", "fsdp-fp16-O0-dynamic"])
 def test_fsdp2_sharded_overflow_on_one_shard_skips_everywhere(case, tmp_path):
-    mp.spawn(fsdp_worker, args=(free_port(), case, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(fsdp_worker, case, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for result in results:
         assert result["skipped_at"] == [POISON_STEP]
@@ -235,6 +199,6 @@ def test_fsdp2_sharded_overflow_on_one_shard_skips_everywhere(case, tmp_path):
 
 
 def test_fsdp2_casting_levels_are_rejected_with_the_recipe(tmp_path):
-    mp.spawn(fsdp_worker, args=(free_port(), "O2-rejected", str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(fsdp_worker, "O2-rejected", str(tmp_path))
     error = torch.load(tmp_path / "rank0.pt")["error"]
     assert "MixedPrecisionPolicy" in error and "loss_scale='dynamic'" in error
