@@ -434,3 +434,30 @@ def test_an_incomplete_apex_checkpoint_names_what_it_lacks(missing):
     with pytest.raises(ValueError, match="lacks"):
         opt.load_state_dict(saved)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
+
+
+def test_apex_0_1_scaler_attributes_live_on_the_wrapper():
+    """apex 0.1 kept cur_scale, cur_iter, last_overflow_iter, scale_factor and scale_window on
+    the wrapper itself (its state_dict() wrote them from there); scripts log and set them."""
+    kwargs = dict(bias_correction=False, max_grad_norm=1.0)
+    reference_model, model = _model(), _model()
+    reference, opt = _reference(reference_model, **kwargs), _ampinit_pair(model, **kwargs)
+    _train(reference_model, reference, 5, planted={1, 3})
+    _train(model, opt, 5, planted={1, 3})
+    _assert_same(model, reference_model, opt, reference)
+    got = (opt.cur_scale, opt.cur_iter, opt.last_overflow_iter, opt.scale_factor, opt.scale_window)
+    assert got == (reference.cur_scale, reference.cur_iter, reference.last_overflow_iter, 2, 1000) == \
+        (2.0 ** 13, 5, 3, 2, 1000)  # a natural overflow at the first step, then the two planted
+    opt.cur_scale = 512.0
+    opt.scale_window = 7
+    assert opt.loss_scale == 512.0 and opt.loss_scaler.scale_window == 7
+
+
+def test_apex_0_1_flat_buffers_are_refused_with_what_to_use():
+    """A copy under apex's name would take a hand-written resume's writes and lose them."""
+    opt = _ampinit_pair(_model(), bias_correction=False, max_grad_norm=1.0)
+    for name in ("fp16_groups_flat", "fp32_groups_flat"):
+        with pytest.raises(AttributeError, match="one FP32 master per parameter.*state_dict"):
+            getattr(opt, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        assert opt.no_such_thing is None  # raises first

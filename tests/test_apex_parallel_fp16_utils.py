@@ -14,6 +14,8 @@ from torch import nn
 import ampinit as amp
 from ampinit.apex import fp16_utils, parallel
 
+INF = float("inf")
+
 
 def _shard(rank, n=8):
     g = torch.Generator().manual_seed(rank)
@@ -607,3 +609,47 @@ def test_fp16_optimizer_wrapped_before_model_half_resumes_bit_for_bit():
         resumed_opt.load_state_dict(copy.deepcopy(checkpoint))  # torch.optim trains the loaded tensors in place
         train(resumed, resumed_opt, range(6, 12))
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted(rounded), resumed.parameters()))
+
+
+@pytest.mark.parametrize("wrapper", ["fp16_utils", "optimizers"])
+def test_fp16_optimizer_resume_setting_dynamic_loss_scale_again_as_unilm_does(wrapper):
+    """UniLM-v1's run_seq2seq.py (and its forks) resume with ``optimizer.load_state_dict(saved)``
+    then ``optimizer.dynamic_loss_scale = True``: apex's plain attribute, set to what it was.
+    Switching a static scale to dynamic that way is refused, nothing changed."""
+    from ampinit.apex import optimizers as apex_optimizers
+    g = torch.Generator().manual_seed(2)
+    xs, ys = torch.randn(8, 16, 6, generator=g), torch.randn(8, 16, 3, generator=g)
+
+    def build(dynamic=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).half()
+        if wrapper == "optimizers":
+            inner = apex_optimizers.FusedAdam(model.parameters(), lr=1e-2, bias_correction=False, max_grad_norm=1.0)
+            return model, apex_optimizers.FP16_Optimizer(inner, dynamic_loss_scale=dynamic, verbose=False)
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, fp16_utils.FP16_Optimizer(inner, dynamic_loss_scale=dynamic, verbose=False)
+
+    def train(model, opt, steps):
+        for i in steps:
+            opt.zero_grad()
+            opt.backward(((model(xs[i].half()).float() - ys[i]) ** 2).mean() * (INF if i == 2 else 1.0))
+            opt.step()
+
+    straight, straight_opt = build()
+    train(straight, straight_opt, range(8))
+    model, opt = build()
+    train(model, opt, range(4))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    opt.dynamic_loss_scale = True
+    train(model, opt, range(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight.parameters()))
+    assert opt.loss_scale == straight_opt.loss_scale
+
+    static_model, static = build(dynamic=False)
+    static.dynamic_loss_scale = False
+    with pytest.raises(ValueError, match="static, chosen at construction.*dynamic_loss_scale=True"):
+        static.dynamic_loss_scale = True
+    assert not static.dynamic_loss_scale and static.loss_scale == 1.0

@@ -43,6 +43,48 @@ class FP16_Optimizer(_FP16UtilsOptimizer):  # noqa: N801 (apex's name)
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 (apex's name)
         super().zero_grad(set_grads_to_None)
 
+    # apex 0.1 kept its scaler's state on the wrapper itself; scripts log and set it there
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale (a host sync); setting it sets the scale."""
+        return self.loss_scaler.cur_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.loss_scaler.cur_scale = value
+
+    @property
+    def cur_iter(self) -> int:
+        return self.loss_scaler.cur_iter
+
+    @property
+    def last_overflow_iter(self) -> int:
+        return self.loss_scaler.last_overflow_iter
+
+    @property
+    def scale_factor(self) -> float:
+        return self.loss_scaler.scale_factor
+
+    @property
+    def scale_window(self) -> int:
+        return self.loss_scaler.scale_window
+
+    @scale_window.setter
+    def scale_window(self, value: int) -> None:
+        self.loss_scaler.scale_window = value
+
+    def __getattr__(self, name: str) -> Any:
+        # apex 0.1's flat buffers: the model's parameters were views into fp16_groups_flat and
+        # fp32_groups_flat was the optimizer's one parameter per group.  ampinit keeps a master
+        # per parameter; a copy handed out under that name would take writes (a hand-written
+        # resume's ``current.data.copy_(saved)``) and lose them.
+        if name in ("fp16_groups_flat", "fp32_groups_flat"):
+            raise AttributeError(f"ampinit's FP16_Optimizer has no {name}: it keeps one FP32 master per parameter "
+                                 "(all_fp32_from_fp16_params, in param_groups order), not one flat tensor per "
+                                 "group.  Save and restore with state_dict()/load_state_dict(), which also read "
+                                 "apex's flat checkpoints")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or what apex's cut-down wrapper saved."""
         if isinstance(state_dict, dict) and "fp32_groups_flat" in state_dict:

@@ -392,6 +392,16 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
     def dynamic_loss_scale(self) -> bool:
         return self._scaler.dynamic
 
+    @dynamic_loss_scale.setter
+    def dynamic_loss_scale(self, value: bool) -> None:
+        """apex kept a plain attribute, which resumes set again to what it was (UniLM's
+        ``optimizer.dynamic_loss_scale = True`` after ``load_state_dict``).  The scaler is
+        chosen at construction: another value is refused, not taken silently."""
+        if bool(value) != self._scaler.dynamic:
+            mine = "dynamic" if self._scaler.dynamic else "static"
+            raise ValueError(f"this FP16_Optimizer's loss scale is {mine}, chosen at construction; build it with "
+                             f"dynamic_loss_scale={bool(value)} instead of switching it afterwards")
+
     def state_dict(self) -> Dict[str, Any]:
         """The optimizer's state, the loss scale's, and the FP32 masters as apex laid them out:
         ``fp32_from_fp16`` holds one list per param group of the live masters (sparse_learning
