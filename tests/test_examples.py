@@ -37,7 +37,7 @@ def test_example_runs(name, args, expect, tmp_path):
 
 
 def test_ddp_torchrun_example_keeps_ranks_identical():
-    from test_distributed import free_port
+    from _ranks import free_port
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(free_port()), os.path.join(ROOT, "examples", "ddp_torchrun.py"),
