@@ -103,6 +103,7 @@ class AmpHandle:
                              for i, m in enumerate(models) for name, p in m.named_parameters()}
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
+        self._warned_unmastered: set = set()  # names, see note_unmastered_parameters
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -515,6 +516,30 @@ class AmpHandle:
         reports them in (see ``_apply``)."""
         return self._reported
 
+    def note_unmastered_parameters(self, model: nn.Module, prefix: str = "") -> None:
+        """Log, once per name, the 16-bit parameters of ``model`` that this initialization
+        neither cast nor keeps an FP32 master of, at a level with masters.  torch's
+        ``remove_weight_norm``, ``remove_spectral_norm`` and ``remove_parametrizations`` (of a
+        parametrization over several tensors) put a new parameter made from the 16-bit values in
+        place of the ones ampinit keeps masters of: ``model.state_dict()`` then holds it in
+        16-bit precision, and ``amp.end()`` leaves it 16-bit.  One Python pass over the
+        parameters, at ``model.state_dict()`` and ``end()``."""
+        if self.masters is None:
+            return
+        names = [prefix + name for name, param in model.named_parameters()
+                 if param.dtype in _LOW_PRECISION and param not in self._reported
+                 and param not in self.masters and prefix + name not in self._warned_unmastered]
+        if not names:
+            return
+        self._warned_unmastered.update(names)
+        logger.warning(
+            "ampinit: %s: 16-bit parameter(s) that ampinit did not cast and keeps no FP32 master of, made after "
+            "initialize from the model's 16-bit values (torch.nn.utils.remove_weight_norm, remove_spectral_norm and "
+            "remove_parametrizations put a new parameter in place of the ones ampinit keeps masters of).  "
+            "model.state_dict() holds them in 16-bit precision only, and amp.end() leaves them 16-bit.  For FP32 "
+            "values, call ampinit.end(model) first and remove the parametrization then, or remove it before "
+            "initialize.  Logged once per parameter", ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+
     def check_foreign_step(self, optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
         """``optimizer``, which no ``initialize`` bound, is about to step ``params``, which this
         initialization holds.  Where one of them is a 16-bit parameter with an FP32 master (O2/O5)
@@ -627,6 +652,7 @@ class AmpHandle:
         hooks.append(model.register_state_dict_post_hook(links.SaveFP32Values(self._link, later_modules)))
         hooks.append(model.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link, later_modules)))
         hooks.append(model.register_state_dict_post_hook(links.ReportingWindow(self._link, opening=False)))
+        hooks.append(model.register_state_dict_post_hook(links.NoteUnmasteredParameters(self._link)))
         hooks.append(model.register_forward_pre_hook(links.BeforeForward(self._link)))
         return hooks
 
@@ -782,6 +808,8 @@ class AmpHandle:
         dtype (taking its FP32 value, the master's for a parameter).  Idempotent."""
         if self.ended:
             return
+        for model in self.models:
+            self.note_unmastered_parameters(model)
         if self.masters is not None:
             try:  # the model's writes since the last step (no_grad, .data, prune.remove) first
                 self.masters.sync()

@@ -284,6 +284,19 @@ class ReportingWindow:
             handle.masters.set_reporting(self.opening)
 
 
+class NoteUnmasteredParameters:
+    """``model.state_dict()`` post-hook of an initialized model: logs 16-bit parameters made
+    after ``initialize`` without a master (see ``AmpHandle.note_unmastered_parameters``)."""
+
+    def __init__(self, link: HandleLink):
+        self.link = link
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        handle = self.link.handle
+        if handle is not None:
+            handle.note_unmastered_parameters(module, prefix)
+
+
 class BeforeForward:
     """Forward pre-hook of an initialized model with masters, for what the model and its
     masters must agree on before it computes:

@@ -1334,3 +1334,72 @@ def test_16_bit_parameters_added_at_o1_are_logged(level, dtype, caplog):
         assert not caplog.records
         opt.add_param_group({"params": list(nn.Linear(2, 2).to(dtype).parameters())})
     assert any("add_param_group got 16-bit parameters" in r.getMessage() for r in caplog.records)
+
+
+def _remove_weight_norm(layer):
+    nn.utils.remove_weight_norm(layer)
+
+
+def _remove_parametrized_weight_norm(layer):
+    torch.nn.utils.parametrize.remove_parametrizations(layer, "weight", leave_parametrized=True)
+
+
+def _remove_spectral_norm(layer):
+    nn.utils.remove_spectral_norm(layer)
+
+
+REMOVALS = {
+    "weight_norm": (nn.utils.weight_norm, _remove_weight_norm),
+    "parametrizations.weight_norm": (nn.utils.parametrizations.weight_norm, _remove_parametrized_weight_norm),
+    "spectral_norm": (nn.utils.spectral_norm, _remove_spectral_norm),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("level", ["O0", "O2", "O5"])
+@pytest.mark.parametrize("removal", sorted(REMOVALS))
+def test_a_norm_removed_after_initialize_is_logged_and_removed_after_end_is_fp32(level, removal, caplog):
+    """Vocoders (HiFi-GAN, WaveGlow) remove weight norm after training.  After initialize at
+    O2/O5 torch makes the new weight from the 16-bit values, with no master: logged once (the
+    state_dict holds it in 16 bits, end() leaves it 16-bit).  Removed after amp.end(), it is the
+    FP32 weight the masters give, as removal in an FP32 run."""
+    apply, remove = REMOVALS[removal]
+    x, y = batch(0)
+
+    def trained(initialize):
+        torch.manual_seed(0)
+        model = nn.Sequential(apply(nn.Linear(8, 32)), nn.Tanh(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if initialize:
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = ((model(x).float() - y) ** 2).mean()
+            if initialize:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+        return model
+
+    model = trained(True)
+    plain = trained(False)  # the FP32 values (the masters) in a plain FP32 model: its removal is the reference
+    plain.load_state_dict(model.state_dict())
+    remove(plain[0])
+    message = "0.weight: 16-bit parameter(s) that ampinit did not cast"
+    with caplog.at_level("WARNING", logger="ampinit"):
+        remove(model[0])
+        first, second = model.state_dict()["0.weight"], model.state_dict()["0.weight"]
+    masters = level != "O0"
+    assert caplog.text.count(message) == (1 if masters else 0)
+    assert first.dtype == (torch.float16 if level == "O2" else torch.bfloat16 if masters else torch.float32)
+
+    ended = trained(True)
+    amp.end(ended)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ampinit"):
+        remove(ended[0])
+        weight = ended.state_dict()["0.weight"]
+    assert message not in caplog.text
+    assert weight.dtype == torch.float32 and torch.equal(weight, plain.state_dict()["0.weight"])
