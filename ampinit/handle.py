@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed, links
 from . import optimizer as amp_optimizer
@@ -103,7 +104,7 @@ class AmpHandle:
                              for i, m in enumerate(models) for name, p in m.named_parameters()}
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
-        self._warned_unmastered: set = set()  # names, see note_unmastered_parameters
+        self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -516,29 +517,37 @@ class AmpHandle:
         reports them in (see ``_apply``)."""
         return self._reported
 
-    def note_unmastered_parameters(self, model: nn.Module, prefix: str = "") -> None:
-        """Log, once per name, the 16-bit parameters of ``model`` that this initialization
-        neither cast nor keeps an FP32 master of, at a level with masters.  torch's
-        ``remove_weight_norm``, ``remove_spectral_norm`` and ``remove_parametrizations`` (of a
-        parametrization over several tensors) put a new parameter made from the 16-bit values in
-        place of the ones ampinit keeps masters of: ``model.state_dict()`` then holds it in
-        16-bit precision, and ``amp.end()`` leaves it 16-bit.  One Python pass over the
-        parameters, at ``model.state_dict()`` and ``end()``."""
+    def note_unmastered_parameters(self, module: nn.Module, prefix: str = "", recurse: bool = True) -> None:
+        """Log, once per parameter, the 16-bit parameters of ``module`` that this initialization
+        neither cast nor keeps an FP32 master of, at a level with masters: parameters made
+        after ``initialize`` from the model's 16-bit values.  torch's ``remove_weight_norm``,
+        ``remove_spectral_norm`` and ``remove_parametrizations`` (of a parametrization over
+        several tensors) put such a parameter in place of the ones ampinit keeps masters of, and
+        a parametrization registered after ``initialize`` makes them too: ``model.state_dict()``
+        then holds them in 16-bit precision, and ``amp.end()`` leaves them 16-bit.  A parameter
+        another live initialization holds is that one's.  A Python pass over the parameters, at
+        ``model.state_dict()`` (each module's own, in its state_dict hook) and ``end()``."""
         if self.masters is None:
             return
-        names = [prefix + name for name, param in model.named_parameters()
-                 if param.dtype in _LOW_PRECISION and param not in self._reported
-                 and param not in self.masters and prefix + name not in self._warned_unmastered]
-        if not names:
+        found = [(prefix + name, param) for name, param in module.named_parameters(recurse=recurse)
+                 if param.dtype in _LOW_PRECISION and param not in self._reported and param not in self.masters
+                 and param not in self._warned_unmastered]
+        found = [(name, param) for name, param in found
+                 if not any(handle is not self for handle in handles_holding_parameter(param))]
+        if not found:
             return
-        self._warned_unmastered.update(names)
+        for _, param in found:
+            self._warned_unmastered[param] = True
+        names = [name for name, _ in found]
         logger.warning(
-            "ampinit: %s: 16-bit parameter(s) that ampinit did not cast and keeps no FP32 master of, made after "
-            "initialize from the model's 16-bit values (torch.nn.utils.remove_weight_norm, remove_spectral_norm and "
-            "remove_parametrizations put a new parameter in place of the ones ampinit keeps masters of).  "
-            "model.state_dict() holds them in 16-bit precision only, and amp.end() leaves them 16-bit.  For FP32 "
-            "values, call ampinit.end(model) first and remove the parametrization then, or remove it before "
-            "initialize.  Logged once per parameter", ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+            "ampinit: %s: 16-bit parameter(s) made after initialize, which ampinit did not cast, keeps no FP32 "
+            "master of, and no optimizer of this initialization holds: model.state_dict() holds them in 16-bit "
+            "precision only, and amp.end() leaves them 16-bit.  torch.nn.utils.remove_weight_norm, "
+            "remove_spectral_norm and remove_parametrizations make such parameters from the 16-bit values, and so "
+            "does a parametrization registered after initialize: register or remove them before initialize, or "
+            "after ampinit.end(model) (then the weight is the FP32 one the masters give).  A layer added after "
+            "initialize gets masters from optimizer.add_param_group.  Logged once per parameter",
+            ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
 
     def check_foreign_step(self, optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
         """``optimizer``, which no ``initialize`` bound, is about to step ``params``, which this
@@ -652,7 +661,6 @@ class AmpHandle:
         hooks.append(model.register_state_dict_post_hook(links.SaveFP32Values(self._link, later_modules)))
         hooks.append(model.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link, later_modules)))
         hooks.append(model.register_state_dict_post_hook(links.ReportingWindow(self._link, opening=False)))
-        hooks.append(model.register_state_dict_post_hook(links.NoteUnmasteredParameters(self._link)))
         hooks.append(model.register_forward_pre_hook(links.BeforeForward(self._link)))
         return hooks
 

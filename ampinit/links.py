@@ -241,11 +241,14 @@ class CastTensorHook(ModuleHook):
         super().__init__(link)
         self.later_modules = later_modules
 
+    def owners(self, module: nn.Module, prefix: str) -> List[tuple]:
+        """``(key prefix, module)`` of the modules this hook serves."""
+        return [(prefix, module)] if self.later_modules is None else \
+            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
+
     def cast_tensors(self, handle: "AmpHandle", module: nn.Module, prefix: str) -> Iterator[tuple]:
         """``(state_dict key, tensor, original dtype)`` of the cast tensors this hook serves."""
-        owners = [(prefix, module)] if self.later_modules is None else \
-            [(prefix + sub_prefix, sub) for sub_prefix, sub in self.later_modules(module)]
-        for owner_prefix, owner in owners:
+        for owner_prefix, owner in self.owners(module, prefix):
             for name, tensor, dtype in cast_tensors_of(owner, handle.reported_dtypes):
                 yield owner_prefix + name, tensor, dtype
 
@@ -267,6 +270,8 @@ class SaveFP32Values(CastTensorHook):
             value = handle.report_fp32_value(tensor, dtype, keep_vars)
             # no master (O3): its value in the original dtype, a copy, as apex reported it
             state_dict[key] = state_dict[key].to(dtype) if value is None else value
+        for owner_prefix, owner in self.owners(module, prefix):  # 16-bit parameters made since, logged
+            handle.note_unmastered_parameters(owner, owner_prefix, recurse=False)
 
 
 class ReportingWindow:
@@ -282,19 +287,6 @@ class ReportingWindow:
         handle = self.link.handle
         if handle is not None and handle.masters is not None:
             handle.masters.set_reporting(self.opening)
-
-
-class NoteUnmasteredParameters:
-    """``model.state_dict()`` post-hook of an initialized model: logs 16-bit parameters made
-    after ``initialize`` without a master (see ``AmpHandle.note_unmastered_parameters``)."""
-
-    def __init__(self, link: HandleLink):
-        self.link = link
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        handle = self.link.handle
-        if handle is not None:
-            handle.note_unmastered_parameters(module, prefix)
 
 
 class BeforeForward:

@@ -438,7 +438,9 @@ def test_an_incomplete_apex_checkpoint_names_what_it_lacks(missing):
 
 def test_apex_0_1_scaler_attributes_live_on_the_wrapper():
     """apex 0.1 kept cur_scale, cur_iter, last_overflow_iter, scale_factor and scale_window on
-    the wrapper itself (its state_dict() wrote them from there); scripts log and set them."""
+    the wrapper itself (its state_dict() wrote them from there); scripts log them.  They are
+    read-only: apex 0.1's own load_state_dict (copied into UniLM's subclass) sets them one by
+    one, and refusing the first write leaves everything as it was."""
     kwargs = dict(bias_correction=False, max_grad_norm=1.0)
     reference_model, model = _model(), _model()
     reference, opt = _reference(reference_model, **kwargs), _ampinit_pair(model, **kwargs)
@@ -448,16 +450,35 @@ def test_apex_0_1_scaler_attributes_live_on_the_wrapper():
     got = (opt.cur_scale, opt.cur_iter, opt.last_overflow_iter, opt.scale_factor, opt.scale_window)
     assert got == (reference.cur_scale, reference.cur_iter, reference.last_overflow_iter, 2, 1000) == \
         (2.0 ** 13, 5, 3, 2, 1000)  # a natural overflow at the first step, then the two planted
-    opt.cur_scale = 512.0
-    opt.scale_window = 7
-    assert opt.loss_scale == 512.0 and opt.loss_scaler.scale_window == 7
+    saved = reference.state_dict()
+    opt.dynamic_loss_scale = saved["dynamic_loss_scale"]  # apex 0.1's load_state_dict, line by line
+    with pytest.raises(AttributeError, match="read-only.*loss_scale = s.*drop the override"):
+        opt.cur_scale = saved["cur_scale"] * 2
+    assert opt.loss_scale == 2.0 ** 13
+    static = _ampinit_pair(_model(), dynamic=False, **kwargs)
+    assert (static.cur_scale, static.cur_iter) == (1.0, 0)
+    for name in ("last_overflow_iter", "scale_factor", "scale_window"):  # apex 0.1's static had none
+        assert not hasattr(static, name)
 
 
 def test_apex_0_1_flat_buffers_are_refused_with_what_to_use():
     """A copy under apex's name would take a hand-written resume's writes and lose them."""
     opt = _ampinit_pair(_model(), bias_correction=False, max_grad_norm=1.0)
     for name in ("fp16_groups_flat", "fp32_groups_flat"):
-        with pytest.raises(AttributeError, match="one FP32 master per parameter.*state_dict"):
+        with pytest.raises(AttributeError, match="one FP32 master per parameter.*drop the override"):
             getattr(opt, name)
-    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
-        assert opt.no_such_thing is None  # raises first
+
+    class Subclass(apex_optimizers.FP16_Optimizer):
+        @property
+        def weight_decay(self):
+            return self.param_groups[0]["wd"]  # a KeyError, not an AttributeError, of its own
+
+        @property
+        def warmup(self):
+            return self.missing_helper  # its own AttributeError keeps its own name
+
+    sub = Subclass(apex_optimizers.FusedAdam(_model().parameters(), lr=1e-3, max_grad_norm=1.0), verbose=False)
+    with pytest.raises(KeyError, match="wd"):
+        assert sub.weight_decay is None
+    with pytest.raises(AttributeError, match="missing_helper"):
+        assert sub.warmup is None

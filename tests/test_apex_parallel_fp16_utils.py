@@ -653,3 +653,47 @@ def test_fp16_optimizer_resume_setting_dynamic_loss_scale_again_as_unilm_does(wr
     with pytest.raises(ValueError, match="static, chosen at construction.*dynamic_loss_scale=True"):
         static.dynamic_loss_scale = True
     assert not static.dynamic_loss_scale and static.loss_scale == 1.0
+
+
+def test_fp16_optimizer_checkpoint_carries_the_dynamic_schedule():
+    """apex's checkpoint pickled its DynamicLossScaler, scale_factor and scale_window with it, and
+    a load replaced the optimizer's: this class's own checkpoint carries them too, so a run with
+    dynamic_loss_args resumed into an optimizer built with the defaults keeps its schedule."""
+    g = torch.Generator().manual_seed(4)
+    xs, ys = torch.randn(12, 16, 6, generator=g), torch.randn(12, 16, 3, generator=g)
+    args = {"init_scale": 256.0, "scale_factor": 4.0, "scale_window": 3}
+
+    def build(dynamic_loss_args):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).half()
+        return model, fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), dynamic_loss_scale=True,
+                                                dynamic_loss_args=dynamic_loss_args, verbose=False)
+
+    def train(model, opt, steps, scales):
+        for i in steps:
+            opt.zero_grad()
+            opt.backward(((model(xs[i].half()).float() - ys[i]) ** 2).mean() * (INF if i == 4 else 1.0))
+            opt.step()
+            scales.append(opt.loss_scale)
+
+    straight, straight_opt = build(args)
+    want = []
+    train(straight, straight_opt, range(12), want)
+    model, opt = build(args)
+    got = []
+    train(model, opt, range(5), got)
+    for first, last in ((5, 8), (8, 12)):  # twice: the resumed optimizer's own checkpoint carries them on
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        model, opt = build(None)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        train(model, opt, range(first, last), got)
+    assert got == want and len(set(want)) == 3  # grown twice (4x), backed off once
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight.parameters()))
+    static_model, static = build(None)
+    static_saved = fp16_utils.FP16_Optimizer(torch.optim.SGD(static_model.parameters(), lr=0.05),
+                                             static_loss_scale=8.0, verbose=False).state_dict()
+    assert "scale_window" not in static_saved
+    with pytest.raises(ValueError, match="scale_window must be an int >= 1"):
+        opt.load_state_dict(dict(saved["opt"], scale_window=0))
+    assert opt.loss_scaler.scale_window == 3

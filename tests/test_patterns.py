@@ -1387,10 +1387,12 @@ def test_a_norm_removed_after_initialize_is_logged_and_removed_after_end_is_fp32
     plain = trained(False)  # the FP32 values (the masters) in a plain FP32 model: its removal is the reference
     plain.load_state_dict(model.state_dict())
     remove(plain[0])
-    message = "0.weight: 16-bit parameter(s) that ampinit did not cast"
+    message = "0.weight: 16-bit parameter(s) made after initialize"
     with caplog.at_level("WARNING", logger="ampinit"):
         remove(model[0])
-        first, second = model.state_dict()["0.weight"], model.state_dict()["0.weight"]
+        first = model.state_dict()["0.weight"]
+        model.state_dict()  # logged once
+        model[0].state_dict()
     masters = level != "O0"
     assert caplog.text.count(message) == (1 if masters else 0)
     assert first.dtype == (torch.float16 if level == "O2" else torch.bfloat16 if masters else torch.float32)
@@ -1403,3 +1405,41 @@ def test_a_norm_removed_after_initialize_is_logged_and_removed_after_end_is_fp32
         weight = ended.state_dict()["0.weight"]
     assert message not in caplog.text
     assert weight.dtype == torch.float32 and torch.equal(weight, plain.state_dict()["0.weight"])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_16_bit_parameters_without_masters_are_logged_where_they_are_and_only_there(caplog):
+    """From the review: a submodule's own state_dict() logs too; two models of one initialize
+    with the same names are each logged; a separately initialized model held as a submodule
+    (a teacher) is its own initialization's, not logged by the student's."""
+    def vocoder():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(8, 16)), nn.Tanh(), nn.Linear(16, 4))
+
+    message = "16-bit parameter(s) made after initialize"
+    parent = nn.Sequential(vocoder())
+    parent, opt = amp.initialize(parent, torch.optim.SGD(parent.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    nn.utils.remove_weight_norm(parent[0][0])
+    with caplog.at_level("WARNING", logger="ampinit"):
+        assert parent[0].state_dict()["0.weight"].dtype == torch.float16
+    assert caplog.text.count("0.weight: " + message) == 1
+
+    caplog.clear()
+    a, b = vocoder(), vocoder()
+    (a, b), opt = amp.initialize([a, b], torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1),
+                                 opt_level="O5", verbosity=0)
+    nn.utils.remove_weight_norm(a[0])
+    nn.utils.remove_weight_norm(b[0])
+    with caplog.at_level("WARNING", logger="ampinit"):
+        a.state_dict()
+        amp.end(b)
+    assert caplog.text.count("0.weight: " + message) == 2
+
+    caplog.clear()
+    teacher, student = vocoder(), nn.Sequential(nn.Linear(8, 4))
+    teacher, _ = amp.initialize(teacher, torch.optim.SGD(teacher.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    student, _ = amp.initialize(student, torch.optim.SGD(student.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    student.teacher = teacher
+    with caplog.at_level("WARNING", logger="ampinit"):
+        state = student.state_dict()
+    assert message not in caplog.text and all(v.dtype == torch.float32 for v in state.values())

@@ -25,6 +25,39 @@ from .fp16_utils import FP16_Optimizer as _FP16UtilsOptimizer
 __all__ = ["FP16_Optimizer"]
 
 
+# Why apex 0.1's attributes are read-only here, and its flat buffers absent.  Its own
+# state_dict()/load_state_dict() (copied into subclasses such as UniLM's) set them one by one
+# and copy into fp32_groups_flat: refusing the first write leaves the optimizer untouched.
+_OWN_STATE = ("ampinit's FP16_Optimizer keeps the loss scale's state in its scaler (set the scale with "
+              "optimizer.loss_scale = s, the window with optimizer.loss_scaler.scale_window = n) and one FP32 master "
+              "per parameter (all_fp32_from_fp16_params), not apex 0.1's flat buffers.  A state_dict() or "
+              "load_state_dict() written as apex 0.1's (UniLM's FP16_Optimizer_State) cannot run on it: drop the "
+              "override; FP16_Optimizer's own restore training exactly, and load apex 0.1's checkpoints")
+
+
+def _apex_0_1_attribute(name: str, dynamic_only: bool = False) -> property:
+    """apex 0.1's scaler attribute ``name`` on the wrapper: the live scaler's, read-only.  A
+    static scale has no ``dynamic_only`` one, as in apex 0.1."""
+    def read(self: "FP16_Optimizer") -> Any:
+        if dynamic_only and not self.dynamic_loss_scale:
+            raise AttributeError(f"FP16_Optimizer with a static loss scale has no {name} (nor had apex 0.1's)")
+        return getattr(self.loss_scaler, name)
+
+    def refuse(self: "FP16_Optimizer", value: Any) -> None:
+        raise AttributeError(f"FP16_Optimizer.{name} is read-only: {_OWN_STATE}")
+
+    return property(read, refuse, doc=f"apex 0.1's ``{name}``: the loss scaler's, live (a host read); read-only.")
+
+
+def _flat_buffer(name: str) -> property:
+    """apex 0.1's flat buffer ``name``, refused: a copy would take writes (a hand-written
+    resume's ``current.data.copy_(saved)``) and lose them."""
+    def refuse(self: "FP16_Optimizer", *value: Any) -> None:
+        raise AttributeError(f"FP16_Optimizer has no {name}: {_OWN_STATE}")
+
+    return property(refuse, refuse, doc=f"apex 0.1's ``{name}``: not kept (see the module docstring).")
+
+
 class FP16_Optimizer(_FP16UtilsOptimizer):  # noqa: N801 (apex's name)
     """apex's cut-down ``apex.optimizers.FP16_Optimizer``; see the module docstring.
 
@@ -43,47 +76,14 @@ class FP16_Optimizer(_FP16UtilsOptimizer):  # noqa: N801 (apex's name)
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 (apex's name)
         super().zero_grad(set_grads_to_None)
 
-    # apex 0.1 kept its scaler's state on the wrapper itself; scripts log and set it there
-    @property
-    def cur_scale(self) -> float:
-        """The loss scale (a host sync); setting it sets the scale."""
-        return self.loss_scaler.cur_scale
-
-    @cur_scale.setter
-    def cur_scale(self, value: float) -> None:
-        self.loss_scaler.cur_scale = value
-
-    @property
-    def cur_iter(self) -> int:
-        return self.loss_scaler.cur_iter
-
-    @property
-    def last_overflow_iter(self) -> int:
-        return self.loss_scaler.last_overflow_iter
-
-    @property
-    def scale_factor(self) -> float:
-        return self.loss_scaler.scale_factor
-
-    @property
-    def scale_window(self) -> int:
-        return self.loss_scaler.scale_window
-
-    @scale_window.setter
-    def scale_window(self, value: int) -> None:
-        self.loss_scaler.scale_window = value
-
-    def __getattr__(self, name: str) -> Any:
-        # apex 0.1's flat buffers: the model's parameters were views into fp16_groups_flat and
-        # fp32_groups_flat was the optimizer's one parameter per group.  ampinit keeps a master
-        # per parameter; a copy handed out under that name would take writes (a hand-written
-        # resume's ``current.data.copy_(saved)``) and lose them.
-        if name in ("fp16_groups_flat", "fp32_groups_flat"):
-            raise AttributeError(f"ampinit's FP16_Optimizer has no {name}: it keeps one FP32 master per parameter "
-                                 "(all_fp32_from_fp16_params, in param_groups order), not one flat tensor per "
-                                 "group.  Save and restore with state_dict()/load_state_dict(), which also read "
-                                 "apex's flat checkpoints")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # apex 0.1 kept its scaler's state, and its flat buffers, on the wrapper itself
+    cur_scale = _apex_0_1_attribute("cur_scale")
+    cur_iter = _apex_0_1_attribute("cur_iter")
+    last_overflow_iter = _apex_0_1_attribute("last_overflow_iter", dynamic_only=True)
+    scale_factor = _apex_0_1_attribute("scale_factor", dynamic_only=True)
+    scale_window = _apex_0_1_attribute("scale_window", dynamic_only=True)
+    fp16_groups_flat = _flat_buffer("fp16_groups_flat")
+    fp32_groups_flat = _flat_buffer("fp32_groups_flat")
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or what apex's cut-down wrapper saved."""

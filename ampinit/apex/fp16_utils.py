@@ -407,11 +407,14 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         ``fp32_from_fp16`` holds one list per param group of the live masters (sparse_learning
         masks them in place through it).  A host sync."""
         self._handle.put_masters_back(self.optimizer)  # parameters cast after the wrap (model.half())
-        return {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
-                "overflow": self.overflow, "first_closure_call_this_step": True,
-                "cur_iter": self.loss_scaler.cur_iter, "last_overflow_iter": self.loss_scaler.last_overflow_iter,
-                "optimizer_state_dict": self.optimizer.state_dict(),
-                "fp32_from_fp16": self.fp32_from_fp16_groups}
+        state = {"loss_scaler": self._scaler.state_dict(), "dynamic_loss_scale": self._scaler.dynamic,
+                 "overflow": self.overflow, "first_closure_call_this_step": True,
+                 "cur_iter": self.loss_scaler.cur_iter, "last_overflow_iter": self.loss_scaler.last_overflow_iter,
+                 "optimizer_state_dict": self.optimizer.state_dict(),
+                 "fp32_from_fp16": self.fp32_from_fp16_groups}
+        if self._scaler.dynamic:  # apex's pickled scaler carried them; a load takes them back, as apex's
+            state.update(scale_factor=self.loss_scaler.scale_factor, scale_window=self.loss_scaler.scale_window)
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or what apex's ``FP16_Optimizer.state_dict()``
@@ -443,9 +446,12 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
                 "same parameters, in the same order, as the run that saved it")
         if isinstance(scaler_state, dict):
             self._scaler.check_state_dict(scaler_state)
+        schedule = None if apex_scaler else self._saved_schedule(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         if apex_scaler:
             self._apply_apex_scaler(state_dict["loss_scaler"])
+        elif schedule is not None:
+            self._set_schedule(*schedule)
         if counters is not None:  # loss_scaler.cur_iter and last_overflow_iter go on from there
             self._binding.steps, last_overflow = counters
             self._binding.last_overflow_step = None if last_overflow < 0 else last_overflow
@@ -479,6 +485,22 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
                              f"cur_iter ({cur_iter})")
         return cur_iter, last_overflow
 
+    def _saved_schedule(self, state_dict: Dict[str, Any]) -> Optional[Tuple[float, int]]:
+        """``(scale_factor, scale_window)`` of a dynamic scale this class's ``state_dict()``
+        saved, checked; ``None`` where it saved none (a static scale, or an older checkpoint)."""
+        if "scale_factor" not in state_dict and "scale_window" not in state_dict:
+            return None
+        if not self._scaler.dynamic or not state_dict.get("dynamic_loss_scale"):
+            raise ValueError("FP16_Optimizer checkpoint: scale_factor and scale_window belong to a dynamic loss scale, "
+                             "in the checkpoint and in this optimizer; construct it with dynamic_loss_scale="
+                             f"{bool(state_dict.get('dynamic_loss_scale'))} to load it")
+        factor, window = state_dict.get("scale_factor"), state_dict.get("scale_window")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+            raise ValueError(f"FP16_Optimizer checkpoint: scale_factor must be a finite number >= 1; got {factor!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"FP16_Optimizer checkpoint: scale_window must be an int >= 1; got {window!r}")
+        return float(factor), window
+
     @staticmethod
     def _is_dynamic_apex_scaler(scaler: Any) -> bool:
         return all(hasattr(scaler, key) for key in ("cur_iter", "last_overflow_iter", "scale_factor", "scale_window"))
@@ -501,11 +523,15 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         """apex replaced its scaler with the checkpoint's: take its factor and window, or its
         static scale, too."""
         if self._is_dynamic_apex_scaler(scaler):
-            self._scaler.set_growth_interval(int(scaler.scale_window))
-            self._scaler.growth_factor = float(scaler.scale_factor)
-            self._scaler.backoff_factor = 1.0 / float(scaler.scale_factor)
+            self._set_schedule(float(scaler.scale_factor), int(scaler.scale_window))
         else:
             self._scaler.set_scale(float(scaler.cur_scale))
+
+    def _set_schedule(self, factor: float, window: int) -> None:
+        """A dynamic scale's ``scale_factor`` (growth and back-off) and ``scale_window``."""
+        self._scaler.set_growth_interval(window)
+        self._scaler.growth_factor = factor
+        self._scaler.backoff_factor = 1.0 / factor
 
     def __getstate__(self) -> dict:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
