@@ -529,9 +529,10 @@ class AmpHandle:
         ``model.state_dict()`` (each module's own, in its state_dict hook) and ``end()``."""
         if self.masters is None:
             return
-        found = [(prefix + name, param) for name, param in module.named_parameters(recurse=recurse)
-                 if param.dtype in _LOW_PRECISION and param not in self._reported and param not in self.masters
-                 and param not in self._warned_unmastered]
+        named = module.named_parameters() if recurse else module._parameters.items()  # (no generator per module)
+        found = [(prefix + name, param) for name, param in named
+                 if param is not None and param.dtype in _LOW_PRECISION and param not in self._reported
+                 and param not in self.masters and param not in self._warned_unmastered]
         found = [(name, param) for name, param in found
                  if not any(handle is not self for handle in handles_holding_parameter(param))]
         if not found:
