@@ -436,7 +436,10 @@ class FusedAdam(_FusedOptimizer):
         then drop the group key, which would otherwise go stale as the params step on."""
         if "step" not in group:
             return
-        step = group.pop("step")
+        # a subclass written for apex's FusedAdam that steps itself (fairseq's FusedAdamV2) keeps
+        # its count in the group, as apex's load (torch's) left it
+        own = getattr(type(self), "_ampinit_base", type(self))  # under initialize: the user's class
+        step = group["step"] if own.step is not FusedAdam.step else group.pop("step")
         value = float(step.detach().reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
         for param in group["params"]:
             state = self.state.get(param)

@@ -35,6 +35,7 @@ bf16, empty tensors, the applier's argument checks, the module surface, apex_C, 
 under the alias.
 """
 
+import copy
 import importlib
 import itertools
 import math
@@ -831,15 +832,23 @@ def test_fairseq_fused_adam_v2_pattern(adam_w_mode):
         opt.step()
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    saved = copy.deepcopy(opt.state_dict())
+    own_model = copy.deepcopy(model)  # fairseq resumes into its own class, which counts in the group (E11)
+    own = _FairseqStyleFusedAdam(own_model.parameters(), adam_w_mode=adam_w_mode, **hyper)
+    own.load_state_dict(copy.deepcopy(saved))
     resumed = ampinit.optim.FusedAdam(model.parameters(), adam_w_mode=adam_w_mode, **hyper)
-    resumed.load_state_dict(opt.state_dict())
+    resumed.load_state_dict(saved)
     for step in range(9, 14):
         _adam_grads(ref, step)
         ref_opt.step()
         _adam_grads(model, step)
         resumed.step()
-    for p, q in zip(ref.parameters(), model.parameters()):
+        _adam_grads(own_model, step)
+        own.step()
+    for p, q, r in zip(ref.parameters(), model.parameters(), own_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r, p, rtol=1e-5, atol=1e-6)
+    assert own.param_groups[0]["step"] == 13
 
 
 def test_rows_of_one_numel_and_different_shapes_are_read_as_flat_memory():
