@@ -43,6 +43,10 @@ class _DisabledInitialization:
 # The most recent initialize call, which apex's module-level API refers to: a weak reference
 # to an AmpHandle (it never keeps a model alive), or the stand-in of a disabled call.
 _most_recent_slot: Any = None
+# Every initialization still alive, weakly: apex's module-level state_dict()/load_state_dict()
+# saved and loaded the one loss scaler all of them shared; ampinit's act on the most recent
+# only, and say so where another could be the one whose scale matters (see _check_one_live).
+_live: "weakref.WeakSet[AmpHandle]" = weakref.WeakSet()
 
 
 def _most_recent() -> Any:
@@ -53,6 +57,33 @@ def _most_recent() -> Any:
 def _remember(handle: Any) -> None:
     global _most_recent_slot
     _most_recent_slot = weakref.ref(handle) if isinstance(handle, AmpHandle) else handle
+    if isinstance(handle, AmpHandle):
+        # the others' step counts now: one that steps after this initialize trains beside it
+        handle.__dict__["_steps_of_others"] = {id(h): h.steps for h in list(_live)}
+        _live.add(handle)
+
+
+def _check_one_live(recent: AmpHandle, call: str) -> None:
+    """Log once per initialization where apex's module-level ``call`` meets another live
+    initialization that stepped since the most recent one was made: apex's acted on the one
+    loss scaler they all shared, this acts on the most recent's.  CMC (MoCo) initializes its EMA
+    model last with an optimizer that never steps, so the trained model's scale was never saved.
+    (A fold loop's earlier folds stop stepping: not logged.)"""
+    if recent.__dict__.get("_warned_module_level"):
+        return
+    then = recent.__dict__.get("_steps_of_others", {})
+    others = [h for h in list(_live) if h is not recent and not h.ended and h.steps > then.get(id(h), 0)]
+    if not others:
+        return
+    recent.__dict__["_warned_module_level"] = True
+    logger.warning(
+        "ampinit: amp.%s acts on the most recent initialize (opt_level=%r, optimizers: %s), but %d other "
+        "initialization(s) stepped since it was made (optimizers: %s).  apex shared one loss scaler between "
+        "them; ampinit keeps one per initialization, so the other's scale is not saved or loaded here.  Save and "
+        "load each with optimizer.amp.state_dict() and optimizer.amp.load_state_dict() (its own optimizer's).  "
+        "Logged once",
+        call, recent.config.opt_level, ", ".join(type(o).__name__ for o in recent.optimizers) or "no optimizer",
+        len(others), ", ".join(type(o).__name__ for h in others for o in h.optimizers))
 
 
 def _as_list(value: Any, name: str, check: Any) -> Tuple[List[Any], Optional[type]]:
@@ -455,7 +486,9 @@ def state_dict(destination: Optional[dict] = None) -> dict:
     out = OrderedDict() if destination is None else destination
     if isinstance(recent, _DisabledInitialization):
         return out
-    out.update(handle_of(None).state_dict())
+    handle = handle_of(None)
+    _check_one_live(handle, "state_dict()")
+    out.update(handle.state_dict())
     return out
 
 
@@ -465,7 +498,9 @@ def load_state_dict(state_dict: dict) -> None:
     if isinstance(_most_recent(), _DisabledInitialization):
         logger.info("ampinit: load_state_dict ignored: the most recent initialize had enabled=False")
         return
-    handle_of(None).load_state_dict(state_dict)
+    handle = handle_of(None)
+    _check_one_live(handle, "load_state_dict()")
+    handle.load_state_dict(state_dict)
 
 
 def end(obj: Union[nn.Module, torch.optim.Optimizer, AmpHandle, None] = None) -> None:

@@ -220,6 +220,11 @@ class AmpHandle:
         return sum(b.skipped_steps for b in self._bindings)
 
     @property
+    def steps(self) -> int:
+        """Steps taken or skipped, over all optimizers of this handle."""
+        return sum(b.steps for b in self._bindings)
+
+    @property
     def last_overflow_step(self) -> Optional[int]:
         """Index (0-based, counting skipped steps) of the most recent skipped step, or None."""
         steps = [b.last_overflow_step for b in self._bindings if b.last_overflow_step is not None]

@@ -137,6 +137,26 @@ def test_state_dict_refers_to_most_recent_and_handles_are_independent():
     assert amp.state_dict(destination={"x": 1})["x"] == 1
 
 
+def test_module_level_state_dict_says_when_another_initialization_trains_beside_the_most_recent(caplog):
+    """HobbitLong/CMC (MoCo): the model, then its EMA with an optimizer that never steps, each
+    initialized; amp.state_dict() saved the EMA's scale (apex's one shared scaler was the
+    model's), so a resume after an overflow restarted the model's scale.  It is logged, once,
+    with the per-optimizer recipe; earlier folds that no longer step are not."""
+    message = "other initialization(s) stepped since it was made"
+    fold_model, fold_opt = make_setup("O2")  # a finished fold, still referenced
+    train_step(fold_model, fold_opt, 0)
+    model, opt = make_setup("O2")
+    ema, _ = make_setup("O2", optimizer="sgd")  # the EMA's, never stepped
+    with caplog.at_level("WARNING", logger="ampinit"):
+        amp.state_dict()
+        assert message not in caplog.text  # nothing trained beside it yet
+        train_step(model, opt, 1, poison=True)
+        saved = amp.state_dict()
+        amp.load_state_dict(saved)
+    assert caplog.text.count(message) == 1
+    assert saved["loss_scaler0"]["loss_scale"] == 2.0 ** 16 != opt.amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+
 @pytest.mark.parametrize("saved_level,saved_scale", [("O5", None), ("O0", None), ("O2", 128.0)])
 def test_a_static_scale_does_not_replace_a_dynamic_one(saved_level, saved_scale, caplog):
     """An amp state saved with a static scale (1.0 at O0/O5, or a fixed loss_scale) loaded into
