@@ -336,7 +336,8 @@ class OptimizerBinding:
                      "look for NaN in the data, the loss or the model")
         else:
             cause = ("these gradients are not overflowing, they are inf/NaN at any scale, which points at a bug "
-                     "(NaN in the data, the loss or the model)")
+                     "(NaN in the data, the loss or the model) or at state that keeps a skipped step's inf/NaN (a "
+                     "DDP communication hook with memory, such as PowerSGD's error feedback)")
         return (f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped with the loss scale "
                 f"at its floor: {cause}.  Non-finite gradients in: {where}.  To allow more such steps, set "
                 "optimizer.amp.max_skips_at_floor (None disables this check)")
