@@ -1374,12 +1374,7 @@ def test_a_norm_removed_after_initialize_is_logged_and_removed_after_end_is_fp32
             model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
         for _ in range(3):
             opt.zero_grad()
-            loss = ((model(x).float() - y) ** 2).mean()
-            if initialize:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
+            amp_backward(((model(x).float() - y) ** 2).mean(), opt, level if initialize else None)
             opt.step()
         return model
 
