@@ -57,33 +57,36 @@ def _most_recent() -> Any:
 def _remember(handle: Any) -> None:
     global _most_recent_slot
     _most_recent_slot = weakref.ref(handle) if isinstance(handle, AmpHandle) else handle
+    # the others' scaled losses so far: one that scales a loss after this initialize trains beside it
+    handle.__dict__["_losses_of_others"] = {id(h): h.losses_scaled for h in list(_live)}
     if isinstance(handle, AmpHandle):
-        # the others' step counts now: one that steps after this initialize trains beside it
-        handle.__dict__["_steps_of_others"] = {id(h): h.steps for h in list(_live)}
         _live.add(handle)
 
 
-def _check_one_live(recent: AmpHandle, call: str) -> None:
+def _check_one_live(recent: Any, call: str) -> None:
     """Log once per initialization where apex's module-level ``call`` meets another live
-    initialization that stepped since the most recent one was made: apex's acted on the one
-    loss scaler they all shared, this acts on the most recent's.  CMC (MoCo) initializes its EMA
-    model last with an optimizer that never steps, so the trained model's scale was never saved.
-    (A fold loop's earlier folds stop stepping: not logged.)"""
+    initialization that scaled a loss since the most recent one was made: apex's acted on the
+    one loss scaler they all shared, this acts on the most recent's.  CMC (MoCo) initializes its
+    EMA model last with an optimizer that never steps, so the trained model's scale was never
+    saved.  (A fold loop's earlier folds stop training: not logged.)"""
     if recent.__dict__.get("_warned_module_level"):
         return
-    then = recent.__dict__.get("_steps_of_others", {})
-    others = [h for h in list(_live) if h is not recent and not h.ended and h.steps > then.get(id(h), 0)]
+    then = recent.__dict__.get("_losses_of_others", {})
+    others = [h for h in list(_live) if h is not recent and not h.ended and h.losses_scaled > then.get(id(h), 0)]
     if not others:
         return
     recent.__dict__["_warned_module_level"] = True
+    if isinstance(recent, AmpHandle):
+        what = f"opt_level={recent.config.opt_level!r}, optimizers: " + \
+            (", ".join(type(o).__name__ for o in recent.optimizers) or "none")
+    else:
+        what = "enabled=False: nothing to save or load"
     logger.warning(
-        "ampinit: amp.%s acts on the most recent initialize (opt_level=%r, optimizers: %s), but %d other "
-        "initialization(s) stepped since it was made (optimizers: %s).  apex shared one loss scaler between "
-        "them; ampinit keeps one per initialization, so the other's scale is not saved or loaded here.  Save and "
-        "load each with optimizer.amp.state_dict() and optimizer.amp.load_state_dict() (its own optimizer's).  "
-        "Logged once",
-        call, recent.config.opt_level, ", ".join(type(o).__name__ for o in recent.optimizers) or "no optimizer",
-        len(others), ", ".join(type(o).__name__ for h in others for o in h.optimizers))
+        "ampinit: amp.%s acts on the most recent initialize (%s), but %d other initialization(s) trained since "
+        "it was made (optimizers: %s).  apex shared one loss scaler between them; ampinit keeps one per "
+        "initialization, so the other's scale is not saved or loaded here.  Save and load each with "
+        "optimizer.amp.state_dict() and optimizer.amp.load_state_dict() (its own optimizer's).  Logged once",
+        call, what, len(others), ", ".join(type(o).__name__ for h in others for o in h.optimizers))
 
 
 def _as_list(value: Any, name: str, check: Any) -> Tuple[List[Any], Optional[type]]:
@@ -485,6 +488,7 @@ def state_dict(destination: Optional[dict] = None) -> dict:
         raise TypeError(f"destination must be a dict; got {type(destination).__name__}")
     out = OrderedDict() if destination is None else destination
     if isinstance(recent, _DisabledInitialization):
+        _check_one_live(recent, "state_dict()")
         return out
     handle = handle_of(None)
     _check_one_live(handle, "state_dict()")
@@ -495,7 +499,9 @@ def state_dict(destination: Optional[dict] = None) -> dict:
 def load_state_dict(state_dict: dict) -> None:
     """Load an amp state (ours or apex's) into the most recent initialization.  Call it after
     ``initialize`` and after loading the model and optimizer state, as apex documents."""
-    if isinstance(_most_recent(), _DisabledInitialization):
+    recent = _most_recent()
+    if isinstance(recent, _DisabledInitialization):
+        _check_one_live(recent, "load_state_dict()")
         logger.info("ampinit: load_state_dict ignored: the most recent initialize had enabled=False")
         return
     handle = handle_of(None)

@@ -105,6 +105,8 @@ class AmpHandle:
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
+        # scale_loss calls so far (a load_state_dict does not rewind it): see frontend._check_one_live
+        self.losses_scaled = 0
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
                                        keep_batchnorm_fp32=bool(config.keep_batchnorm_fp32),
                                        autocast_dtype=config.autocast_dtype,
@@ -220,11 +222,6 @@ class AmpHandle:
         return sum(b.skipped_steps for b in self._bindings)
 
     @property
-    def steps(self) -> int:
-        """Steps taken or skipped, over all optimizers of this handle."""
-        return sum(b.steps for b in self._bindings)
-
-    @property
     def last_overflow_step(self) -> Optional[int]:
         """Index (0-based, counting skipped steps) of the most recent skipped step, or None."""
         steps = [b.last_overflow_step for b in self._bindings if b.last_overflow_step is not None]
@@ -298,6 +295,7 @@ class AmpHandle:
         """See :func:`ampinit.scale_loss`.  No host synchronisation."""
         self.check_not_ended()
         scaler = self.loss_scalers[self._check_loss_id(loss_id)]
+        self.losses_scaled += 1
         if self.masters is not None and self.masters.has_remainders:
             self.masters.check_remainder_layout()  # before the backward: the step could not update them
         if self.masters is not None:
@@ -537,7 +535,8 @@ class AmpHandle:
         named = module.named_parameters() if recurse else module._parameters.items()  # (no generator per module)
         found = [(prefix + name, param) for name, param in named
                  if param is not None and param.dtype in _LOW_PRECISION and param not in self._reported
-                 and param not in self.masters and param not in self._warned_unmastered]
+                 and param not in self.masters and param not in self._param_names  # (16-bit at initialize)
+                 and param not in self._warned_unmastered]
         found = [(name, param) for name, param in found
                  if not any(handle is not self for handle in handles_holding_parameter(param))]
         if not found:

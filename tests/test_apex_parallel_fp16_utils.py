@@ -694,6 +694,15 @@ def test_fp16_optimizer_checkpoint_carries_the_dynamic_schedule():
     static_saved = fp16_utils.FP16_Optimizer(torch.optim.SGD(static_model.parameters(), lr=0.05),
                                              static_loss_scale=8.0, verbose=False).state_dict()
     assert "scale_window" not in static_saved
-    with pytest.raises(ValueError, match="scale_window must be an int >= 1"):
-        opt.load_state_dict(dict(saved["opt"], scale_window=0))
-    assert opt.loss_scaler.scale_window == 3
+    from ampinit.apex.loss_scaler import DynamicLossScaler
+    before = copy.deepcopy(opt.optimizer.state_dict())
+    bad_scaler = DynamicLossScaler(init_scale=64.0, scale_factor=2.0, scale_window=3)
+    bad_scaler.scale_factor = float("nan")  # what unpickling a corrupt apex scaler gives: no __init__ checks
+    for bad, match in ((dict(saved["opt"], scale_window=0), "scale_window must be an int in"),
+                       (dict(saved["opt"], scale_window=2 ** 31), "scale_window must be an int in"),
+                       (dict(saved["opt"], scale_factor=float("nan")), "scale_factor must be a finite number"),
+                       (dict(saved["opt"], loss_scaler=bad_scaler), "scale_factor must be a finite number")):
+        with pytest.raises(ValueError, match=match):  # refused before anything changed (G16)
+            opt.load_state_dict(copy.deepcopy(bad))
+        assert opt.loss_scaler.scale_window == 3 and opt.loss_scaler.scale_factor == 4.0
+        assert str(opt.optimizer.state_dict()) == str(before)

@@ -141,13 +141,16 @@ def test_module_level_state_dict_says_when_another_initialization_trains_beside_
     """HobbitLong/CMC (MoCo): the model, then its EMA with an optimizer that never steps, each
     initialized; amp.state_dict() saved the EMA's scale (apex's one shared scaler was the
     model's), so a resume after an overflow restarted the model's scale.  It is logged, once,
-    with the per-optimizer recipe; earlier folds that no longer step are not."""
-    message = "other initialization(s) stepped since it was made"
+    with the per-optimizer recipe; earlier folds that no longer train are not, nor is loading
+    the other's own state (the recipe), and an enabled=False initialize made last is."""
+    message = "other initialization(s) trained since it was made"
     fold_model, fold_opt = make_setup("O2")  # a finished fold, still referenced
     train_step(fold_model, fold_opt, 0)
     model, opt = make_setup("O2")
+    own_state = opt.amp.state_dict()
     ema, _ = make_setup("O2", optimizer="sgd")  # the EMA's, never stepped
     with caplog.at_level("WARNING", logger="ampinit"):
+        opt.amp.load_state_dict(own_state)
         amp.state_dict()
         assert message not in caplog.text  # nothing trained beside it yet
         train_step(model, opt, 1, poison=True)
@@ -155,6 +158,12 @@ def test_module_level_state_dict_says_when_another_initialization_trains_beside_
         amp.load_state_dict(saved)
     assert caplog.text.count(message) == 1
     assert saved["loss_scaler0"]["loss_scale"] == 2.0 ** 16 != opt.amp.state_dict()["loss_scaler0"]["loss_scale"]
+    caplog.clear()
+    amp.initialize(nn.Linear(2, 2), enabled=False)
+    train_step(model, opt, 2)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        assert amp.state_dict() == {}
+    assert caplog.text.count(message) == 1 and "enabled=False" in caplog.text
 
 
 @pytest.mark.parametrize("saved_level,saved_scale", [("O5", None), ("O0", None), ("O2", 128.0)])

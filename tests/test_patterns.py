@@ -1431,6 +1431,13 @@ def test_16_bit_parameters_without_masters_are_logged_where_they_are_and_only_th
     assert caplog.text.count("0.weight: " + message) == 2
 
     caplog.clear()
+    frozen = nn.Sequential(nn.Embedding(10, 8).half().requires_grad_(False), nn.Linear(8, 4))  # 16-bit already
+    frozen, _ = amp.initialize(frozen, torch.optim.SGD(frozen[1].parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        frozen.state_dict()
+        amp.end(frozen)
+    assert message not in caplog.text
+
     teacher, student = vocoder(), nn.Sequential(nn.Linear(8, 4))
     teacher, _ = amp.initialize(teacher, torch.optim.SGD(teacher.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     student, _ = amp.initialize(student, torch.optim.SGD(student.parameters(), lr=0.1), opt_level="O2", verbosity=0)

@@ -197,6 +197,16 @@ class _LiveLossScaler:
         return f"FP16_Optimizer.loss_scaler({'dynamic' if self.dynamic else 'static'}, cur_scale={self.cur_scale})"
 
 
+def _checked_schedule(factor: Any, window: Any) -> Tuple[float, int]:
+    """A dynamic scale's ``scale_factor`` and ``scale_window`` from a checkpoint (ours, or apex's
+    pickled scaler), or ``ValueError``."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+        raise ValueError(f"FP16_Optimizer checkpoint: scale_factor must be a finite number >= 1; got {factor!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2 ** 31:
+        raise ValueError(f"FP16_Optimizer checkpoint: scale_window must be an int in [1, 2**31); got {window!r}")
+    return float(factor), window
+
+
 class FP16_Optimizer:  # noqa: N801 (apex's name)
     """apex's ``FP16_Optimizer`` on ampinit: ``init_optimizer`` over a model you cast yourself
     (``model.half()``, ``network_to_half``) trains FP32 master copies of its fp16/bf16 parameters.
@@ -487,19 +497,13 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
 
     def _saved_schedule(self, state_dict: Dict[str, Any]) -> Optional[Tuple[float, int]]:
         """``(scale_factor, scale_window)`` of a dynamic scale this class's ``state_dict()``
-        saved, checked; ``None`` where it saved none (a static scale, or an older checkpoint)."""
+        saved, checked; ``None`` where there is none to take (a static scale on either side,
+        where the scale itself is handled as for a checkpoint without them)."""
         if "scale_factor" not in state_dict and "scale_window" not in state_dict:
             return None
-        if not self._scaler.dynamic or not state_dict.get("dynamic_loss_scale"):
-            raise ValueError("FP16_Optimizer checkpoint: scale_factor and scale_window belong to a dynamic loss scale, "
-                             "in the checkpoint and in this optimizer; construct it with dynamic_loss_scale="
-                             f"{bool(state_dict.get('dynamic_loss_scale'))} to load it")
-        factor, window = state_dict.get("scale_factor"), state_dict.get("scale_window")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
-            raise ValueError(f"FP16_Optimizer checkpoint: scale_factor must be a finite number >= 1; got {factor!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"FP16_Optimizer checkpoint: scale_window must be an int >= 1; got {window!r}")
-        return float(factor), window
+        if not (self._scaler.dynamic and state_dict.get("dynamic_loss_scale")):
+            return None
+        return _checked_schedule(state_dict.get("scale_factor"), state_dict.get("scale_window"))
 
     @staticmethod
     def _is_dynamic_apex_scaler(scaler: Any) -> bool:
@@ -514,6 +518,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
                              f"it with dynamic_loss_scale={dynamic} to load it")
         state: Dict[str, Any] = {"loss_scale": float(scaler.cur_scale), "unskipped": 0}
         if dynamic:
+            _checked_schedule(scaler.scale_factor, scaler.scale_window)  # unpickling ran no __init__ checks
             # apex grows at the update where (cur_iter - last_overflow_iter) % scale_window == 0;
             # ampinit when its count of clean steps reaches the window.
             state["unskipped"] = (scaler.cur_iter - scaler.last_overflow_iter - 1) % scaler.scale_window
@@ -523,7 +528,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         """apex replaced its scaler with the checkpoint's: take its factor and window, or its
         static scale, too."""
         if self._is_dynamic_apex_scaler(scaler):
-            self._set_schedule(float(scaler.scale_factor), int(scaler.scale_window))
+            self._set_schedule(*_checked_schedule(scaler.scale_factor, scaler.scale_window))
         else:
             self._scaler.set_scale(float(scaler.cur_scale))
 
