@@ -487,12 +487,11 @@ def state_dict(destination: Optional[dict] = None) -> dict:
     if destination is not None and not isinstance(destination, dict):
         raise TypeError(f"destination must be a dict; got {type(destination).__name__}")
     out = OrderedDict() if destination is None else destination
-    if isinstance(recent, _DisabledInitialization):
+    if recent is not None:
         _check_one_live(recent, "state_dict()")
+    if isinstance(recent, _DisabledInitialization):
         return out
-    handle = handle_of(None)
-    _check_one_live(handle, "state_dict()")
-    out.update(handle.state_dict())
+    out.update(handle_of(None).state_dict())
     return out
 
 
@@ -500,13 +499,12 @@ def load_state_dict(state_dict: dict) -> None:
     """Load an amp state (ours or apex's) into the most recent initialization.  Call it after
     ``initialize`` and after loading the model and optimizer state, as apex documents."""
     recent = _most_recent()
-    if isinstance(recent, _DisabledInitialization):
+    if recent is not None:
         _check_one_live(recent, "load_state_dict()")
+    if isinstance(recent, _DisabledInitialization):
         logger.info("ampinit: load_state_dict ignored: the most recent initialize had enabled=False")
         return
-    handle = handle_of(None)
-    _check_one_live(handle, "load_state_dict()")
-    handle.load_state_dict(state_dict)
+    handle_of(None).load_state_dict(state_dict)
 
 
 def end(obj: Union[nn.Module, torch.optim.Optimizer, AmpHandle, None] = None) -> None:

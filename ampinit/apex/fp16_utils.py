@@ -197,11 +197,16 @@ class _LiveLossScaler:
         return f"FP16_Optimizer.loss_scaler({'dynamic' if self.dynamic else 'static'}, cur_scale={self.cur_scale})"
 
 
+def _check_scale_factor(factor: Any, where: str) -> None:
+    """apex's ``DynamicLossScaler`` ``scale_factor`` (growth, and back-off by its inverse)."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+        raise ValueError(f"{where}: scale_factor must be a finite number >= 1; got {factor!r}")
+
+
 def _checked_schedule(factor: Any, window: Any) -> Tuple[float, int]:
     """A dynamic scale's ``scale_factor`` and ``scale_window`` from a checkpoint (ours, or apex's
     pickled scaler), or ``ValueError``."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
-        raise ValueError(f"FP16_Optimizer checkpoint: scale_factor must be a finite number >= 1; got {factor!r}")
+    _check_scale_factor(factor, "FP16_Optimizer checkpoint")
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2 ** 31:
         raise ValueError(f"FP16_Optimizer checkpoint: scale_window must be an int in [1, 2**31); got {window!r}")
     return float(factor), window
@@ -270,8 +275,7 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
             raise ValueError(f"unknown dynamic_loss_args {sorted(unknown)}; apex's DynamicLossScaler takes "
                              "init_scale, scale_factor and scale_window (ampinit adds min_loss_scale, max_loss_scale)")
         factor = args.pop("scale_factor", 2.0)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
-            raise ValueError(f"dynamic_loss_args: scale_factor must be a finite number >= 1; got {factor!r}")
+        _check_scale_factor(factor, "dynamic_loss_args")
         return {"init_scale": args.pop("init_scale", cls._DYNAMIC_INIT_SCALE),
                 "growth_interval": args.pop("scale_window", _APEX_SCALE_WINDOW),
                 "growth_factor": float(factor), "backoff_factor": 1.0 / float(factor),
