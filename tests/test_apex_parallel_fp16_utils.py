@@ -706,3 +706,23 @@ def test_fp16_optimizer_checkpoint_carries_the_dynamic_schedule():
             opt.load_state_dict(copy.deepcopy(bad))
         assert opt.loss_scaler.scale_window == 3 and opt.loss_scaler.scale_factor == 4.0
         assert str(opt.optimizer.state_dict()) == str(before)
+
+
+def test_a_static_fp16_optimizers_scaler_has_no_growth_schedule():
+    # apex's static LossScaler had no scale_factor/scale_window; reading 2.0 and 1000 here
+    # said a scale that never changes would grow
+    model = nn.Linear(4, 3).half()
+    opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0,
+                                    verbose=False)
+    for name in ("scale_factor", "scale_window"):
+        with pytest.raises(AttributeError, match=f"static loss scale has no {name}.*dynamic_loss_scale=True"):
+            getattr(opt.loss_scaler, name)
+    with pytest.raises(AttributeError, match="static loss scale has no scale_window"):
+        opt.loss_scaler.scale_window = 10
+    assert opt.loss_scaler.cur_iter == 0 and opt.loss_scaler.last_overflow_iter == -1
+    assert opt.loss_scaler.cur_scale == 8.0 and not opt.loss_scaler.dynamic
+    dynamic = fp16_utils.FP16_Optimizer(torch.optim.SGD(nn.Linear(4, 3).half().parameters(), lr=0.1),
+                                        dynamic_loss_scale=True, dynamic_loss_args={"scale_window": 7},
+                                        verbose=False)
+    dynamic.loss_scaler.scale_window = 9
+    assert (dynamic.loss_scaler.scale_factor, dynamic.loss_scaler.scale_window) == (2.0, 9)

@@ -137,7 +137,8 @@ class _LiveLossScaler:
     """``FP16_Optimizer.loss_scaler``: apex's scaler attributes (``cur_scale``, ``loss_scale``,
     ``cur_iter``, ``last_overflow_iter``, ``scale_factor``, ``scale_window``), read from the
     optimizer's own scaler, which keeps its scale on the device: reading a scale is a host sync.
-    Setting ``cur_scale`` (or ``scale_window``) sets that scaler's.  The scale is updated by
+    Setting ``cur_scale`` (or ``scale_window``) sets that scaler's.  A static scale has no
+    ``scale_factor`` or ``scale_window`` (``AttributeError``; apex's ``LossScaler`` had none).  The scale is updated by
     ``step()``, so ``has_overflow``/``update_scale`` by hand are refused."""
 
     def __init__(self, optimizer: "FP16_Optimizer"):
@@ -168,6 +169,13 @@ class _LiveLossScaler:
         """Steps taken or skipped, as apex's one ``update_scale`` per ``step()`` counted them."""
         return self._optimizer._binding.steps
 
+    def _dynamic_only(self, name: str) -> None:
+        # apex's static LossScaler has no schedule: reading one here (2, 1000) would say it grows
+        if not self._scaler.dynamic:
+            raise AttributeError(f"FP16_Optimizer.loss_scaler: a static loss scale has no {name} (nor had "
+                                 "apex's LossScaler); construct FP16_Optimizer with dynamic_loss_scale=True "
+                                 "for a scale that backs off and grows")
+
     @property
     def last_overflow_iter(self) -> int:
         last = self._optimizer._binding.last_overflow_step
@@ -175,14 +183,17 @@ class _LiveLossScaler:
 
     @property
     def scale_factor(self) -> float:
+        self._dynamic_only("scale_factor")
         return self._scaler.growth_factor
 
     @property
     def scale_window(self) -> int:
+        self._dynamic_only("scale_window")
         return self._scaler.growth_interval
 
     @scale_window.setter
     def scale_window(self, value: int) -> None:
+        self._dynamic_only("scale_window")
         self._scaler.set_growth_interval(value)
 
     def has_overflow(self, params: Any) -> bool:
