@@ -430,6 +430,29 @@ class FusedAdam(_FusedOptimizer):
                 f"{group['weight_decay']}, but this optimizer has adam_w_mode={self.adam_w_mode} for every group",
                 f"construct a second optimizer with adam_w_mode={decoupled} for it"))
 
+    def state_dict(self) -> Dict[str, Any]:
+        """As :meth:`_FusedOptimizer.state_dict`; a group that keeps apex's ``step`` count (a
+        subclass that overrides ``step()``, see :meth:`_adopt_group_step`) but was stepped by
+        this class's update (the override calls ``super().step()``) takes its params' count
+        first, so that the count saved is not the one loaded."""
+        self._catch_up_group_steps()
+        return super().state_dict()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        self._catch_up_group_steps()  # pickling and deepcopy save the groups too
+        return super().__getstate__()
+
+    def _catch_up_group_steps(self) -> None:
+        if self.__dict__.get("_group_step_behind"):
+            for group in self.param_groups:
+                steps = [self.state[param]["step"] for param in group["params"]
+                         if isinstance(self.state.get(param, {}).get("step"), torch.Tensor)]
+                if "step" in group and steps:
+                    count = int(torch.stack([step.to(steps[0].device) for step in steps]).max())  # a sync
+                    group["step"] = group["step"].new_tensor(count) if isinstance(group["step"], torch.Tensor) \
+                        else count
+            del self.__dict__["_group_step_behind"]
+
     def _adopt_group_step(self, group: dict) -> None:
         """An apex ``FusedAdam`` checkpoint counts steps per group: give that count to each of
         the group's params that has saved moments but no ``step`` (torch's per-param layout),
@@ -479,6 +502,8 @@ class FusedAdam(_FusedOptimizer):
             self._moment_dtype(param, [])
 
     def _update(self, group, params, grads, models, inv_scale, found_inf, remainders, ties) -> None:
+        if "step" in group:  # kept for a subclass's own step() (see state_dict); counted per param here
+            self.__dict__["_group_step_behind"] = True
         dtypes = [self._moment_dtype(param, remainders) for param in params]
         exp_avgs = [self._state_tensor(param, "exp_avg", dtype) for param, dtype in zip(params, dtypes)]
         exp_avg_sqs = [self._state_tensor(param, "exp_avg_sq", dtype) for param, dtype in zip(params, dtypes)]

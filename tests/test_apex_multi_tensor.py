@@ -851,6 +851,52 @@ def test_fairseq_fused_adam_v2_pattern(adam_w_mode):
     assert own.param_groups[0]["step"] == 13
 
 
+class _ThinFusedAdam(ampinit.optim.FusedAdam):
+    """A subclass whose step() only wraps FusedAdam's (logging, timing)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("resume", ["state_dict", "deepcopy"])
+def test_a_thin_subclass_saves_the_step_count_it_reached_not_the_one_it_loaded(resume):
+    """A subclass that overrides step() keeps an apex checkpoint's group step (fairseq's reads
+    it); one that steps through FusedAdam's update counts per param, and its next checkpoint
+    must carry that count: a resume into a class that counts in the group (fairseq's) went
+    on from the loaded count, restarting part of Adam's bias correction without a word."""
+    hyper = dict(lr=1e-2, eps=1e-8, weight_decay=0.05)
+    ref = _adam_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
+    for step in range(1, 6):
+        _adam_grads(ref, step)
+        ref_opt.step()
+    model = copy.deepcopy(ref)
+    thin = _ThinFusedAdam(model.parameters(), **hyper)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    for entry in saved["state"].values():  # apex's layout: the count in the group
+        entry.pop("step")
+    saved["param_groups"][0]["step"] = 5
+    thin.load_state_dict(saved)
+    for step in range(6, 10):
+        _adam_grads(ref, step)
+        ref_opt.step()
+        _adam_grads(model, step)
+        thin.step()
+    # a deepcopy (or pickle) saves the groups as they are: it must carry the count too
+    checkpoint = thin.state_dict() if resume == "state_dict" else copy.deepcopy(thin).state_dict()
+    assert checkpoint["param_groups"][0]["step"] == 9
+    own_model = copy.deepcopy(model)
+    own = _FairseqStyleFusedAdam(own_model.parameters(), **hyper)
+    own.load_state_dict(checkpoint)
+    for step in range(10, 14):
+        _adam_grads(ref, step)
+        ref_opt.step()
+        _adam_grads(own_model, step)
+        own.step()
+    for p, q in zip(ref.parameters(), own_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
 def test_rows_of_one_numel_and_different_shapes_are_read_as_flat_memory():
     """apex's kernels read every tensor as flat memory, so apex-era code pairs a (4, 4)
     gradient with a (16,) slice of a flat master buffer; ampinit's kernels take one shape per
