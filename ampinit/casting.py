@@ -56,6 +56,7 @@ class _AutocastScope:
         self.device_type = device_type
         self.dtype = dtype
         self.policies = policies
+        self.entered = False  # by the model's forward, or a step under AmpHandle.autocast_step
         self._local = threading.local()
 
     def __getstate__(self) -> dict:
@@ -97,6 +98,7 @@ class _AutocastScope:
                 mode.__exit__(None, None, None)
 
     def enter(self) -> None:
+        self.entered = True
         if registry.casts_disabled():  # amp.disable_casts() around the call: an FP32 forward
             self._stack().append([])
             return
@@ -240,6 +242,11 @@ class ModelCasting:
                 if module is not self.model:
                     self._handles.append(module.register_forward_pre_hook(casts.enter))
                     self._handles.append(module.register_forward_hook(casts.leave, always_call=True))
+
+    @property
+    def autocast_scope(self) -> Optional[_AutocastScope]:
+        """The O1/O4 autocast scoped to the model's forward, or ``None`` at other levels."""
+        return getattr(self._pre_hook, "scope", None)
 
     def remove(self) -> None:
         for handle in self._handles:

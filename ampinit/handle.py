@@ -105,6 +105,7 @@ class AmpHandle:
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
+        self._autocast_checked = False  # see _check_autocast_reached
         # scale_loss calls so far (a load_state_dict does not rewind it): see frontend._check_one_live
         self.losses_scaled = 0
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
@@ -317,6 +318,7 @@ class AmpHandle:
                 "first_step, say), and the forward since did not see it: it ran under torch.compile or through a "
                 "submodule, where ampinit's forward check does not run, so it computed with the old weights.  Run "
                 "such forwards through the initialized model itself, uncompiled (this is logged once)")
+        self._check_autocast_reached()
         # the other optimizers' gradients, to tell what this backward leaves on them still scaled
         others = [(b.flow, b.flow.grad_snapshot()) for b in self._bindings if b.flow not in flows]
         scaled = scaler.scale(loss)
@@ -519,6 +521,38 @@ class AmpHandle:
         """The tensors ``model.state_dict()`` reports the FP32 values of, each with the dtype it
         reports them in (see ``_apply``)."""
         return self._reported
+
+    def _check_autocast_reached(self) -> None:
+        """At the first ``scale_loss`` of O1/O4: log once if no initialized model's forward has
+        run (training code that calls submodules directly, ``model.generator(z)``, never enters
+        the autocast that these levels scope to the model's forward, and trains in FP32)."""
+        if self._autocast_checked:
+            return
+        self._autocast_checked = True
+        scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
+        if not scopes or any(scope.entered for scope in scopes) or torch.is_autocast_enabled(self.device.type):
+            return
+        logger.warning(
+            "ampinit: %s scaled its first loss, but no model given to initialize ran its forward: the training code "
+            "called their submodules (or other modules) directly, so nothing ran under the %s autocast that %s "
+            "enters in the initialized model's forward, and the forward computed in FP32.  Call the initialized "
+            "model itself, or initialize the submodules the code calls (amp.initialize([gen, disc], ...)).  Code that "
+            "enters torch.autocast(%r, dtype=%s) around such forwards itself can ignore this (logged once)",
+            self.config.opt_level, self.config.autocast_dtype, self.config.opt_level, self.device.type,
+            self.config.autocast_dtype)
+
+    @contextlib.contextmanager
+    def autocast_step(self) -> Iterator[None]:
+        """The O1/O4 autocast around a whole training step (Lightning's ``forward_context``),
+        for code that calls submodules directly; a no-op at other levels."""
+        if self.config.autocast_dtype is None:
+            yield
+            return
+        for casting in self._castings:
+            if casting.autocast_scope is not None:
+                casting.autocast_scope.entered = True
+        with torch.autocast(self.device.type, dtype=self.config.autocast_dtype):
+            yield
 
     def note_unmastered_parameters(self, module: nn.Module, prefix: str = "", recurse: bool = True) -> None:
         """Log, once per parameter, the 16-bit parameters of ``module`` that this initialization

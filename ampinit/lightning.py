@@ -84,10 +84,10 @@ class AmpinitPrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         """O1/O4: autocast around the whole training/validation step, so submodules called
         directly from ``training_step`` are covered too."""
-        if self.config.autocast_dtype is None or self._handle is None:
+        if self._handle is None:
             yield
             return
-        with torch.autocast(self._handle.device.type, dtype=self.config.autocast_dtype):
+        with self._handle.autocast_step():
             yield
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,6 +1,7 @@
 """Training patterns at O1, O2 and O5: accumulation, clipping, gradient penalty, sparse
 gradients, several models/losses; overflow diagnostics and persistent NaN."""
 import collections
+import contextlib
 import copy
 import math
 
@@ -1445,3 +1446,55 @@ def test_16_bit_parameters_without_masters_are_logged_where_they_are_and_only_th
     with caplog.at_level("WARNING", logger="ampinit"):
         state = student.state_dict()
     assert message not in caplog.text and all(v.dtype == torch.float32 for v in state.values())
+
+
+class _Gan(nn.Module):
+    """mmgeneration's layout: one module holding G and D, whose train_step calls them directly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, z):
+        return self.discriminator(self.generator(z))
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+@pytest.mark.parametrize("call", ["submodules", "model", "both_initialized", "autocast_step"])
+def test_o1_o4_training_that_never_calls_the_initialized_model_is_logged(level, call, caplog):
+    """O1/O4 scope autocast to the initialized model's forward.  Code that calls its
+    submodules directly (mmgeneration) computes in FP32, bit for bit the FP32 run: logged once
+    at the first scale_loss; forwards through the initialized models, or a step under the
+    handle's autocast_step (Lightning's forward_context), run in 16 bits and are not logged."""
+    reference = _Gan()
+    model = _Gan()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if call == "both_initialized":
+        (generator, discriminator), opt = amp.initialize([model.generator, model.discriminator], opt,
+                                                         opt_level=level, verbosity=0, loss_scale=1.0)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=1.0)
+        generator, discriminator = model.generator, model.discriminator
+    step_context = amp.handle_of(opt).autocast_step if call == "autocast_step" else contextlib.nullcontext
+    z = torch.randn(16, 8)
+    with caplog.at_level("WARNING", logger="ampinit"):
+        for _ in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            with step_context():
+                out = model(z) if call == "model" else discriminator(generator(z))
+            with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            reference(z).pow(2).mean().backward()
+            ref_opt.step()
+    logged = caplog.text.count("no model given to initialize ran its forward")
+    assert logged == (1 if call == "submodules" else 0)
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert same == (call == "submodules")  # the others computed in 16 bits
+    if call in ("submodules", "autocast_step"):  # (initialized models' outputs are cast to FP32)
+        assert out.dtype == (torch.float32 if call == "submodules" else
+                             {"O1": torch.float16, "O4": torch.bfloat16}[level])
