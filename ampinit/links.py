@@ -96,6 +96,16 @@ class WeakLink(DeadWhenCopied):
         return None if self._ref is None else self._ref()
 
 
+class ParameterMarks(list):
+    """A parameter's :class:`WeakLink` s (under ``_PARAM_ATTR`` in its ``__dict__``, which torch
+    pickles with it).  A copy (``deepcopy``, or a pickle: ``torch.save(list(model.parameters()))``,
+    ``model.state_dict(keep_vars=True)``) is held by no initialization and gets an empty ``set``,
+    which ``torch.load(weights_only=True)`` accepts (it refuses ampinit's classes)."""
+
+    def __reduce__(self):
+        return (set, ())
+
+
 _DEAD_LINK = HandleLink()  # what a module hook sees once its initialization is gone
 
 
@@ -134,7 +144,7 @@ def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     another model is found here, where its module is not).  Marks of initializations that are
     gone are dropped on the way (dropped folds sharing a backbone would pile them up)."""
     marks = param.__dict__.get(_PARAM_ATTR)
-    if not marks:
+    if not marks or not isinstance(marks, ParameterMarks):  # (a copy's empty set)
         return []
     handles = []
     for mark in marks:
@@ -177,7 +187,9 @@ def watch_foreign_steps() -> None:
 
 def mark_parameters(params: Iterable[torch.Tensor], link: HandleLink) -> None:
     for param in params:
-        marks = param.__dict__.setdefault(_PARAM_ATTR, [])
+        marks = param.__dict__.get(_PARAM_ATTR)
+        if not isinstance(marks, ParameterMarks):  # none yet, or a copy's empty set
+            marks = param.__dict__[_PARAM_ATTR] = ParameterMarks()
         if all(mark.link is not link for mark in marks):
             marks.append(WeakLink(link))
 
@@ -185,7 +197,7 @@ def mark_parameters(params: Iterable[torch.Tensor], link: HandleLink) -> None:
 def unmark_parameters(params: Iterable[torch.Tensor], link: HandleLink) -> None:
     for param in params:
         marks = param.__dict__.get(_PARAM_ATTR)
-        if marks is not None:
+        if isinstance(marks, ParameterMarks):
             marks[:] = [mark for mark in marks if mark.link is not link and mark.link is not None]
             if not marks:
                 del param.__dict__[_PARAM_ATTR]

@@ -1,5 +1,6 @@
 import collections
 import copy
+import io
 import json
 import os
 import subprocess
@@ -506,3 +507,30 @@ def test_amp_loaded_before_the_model_is_warned_about_the_masters_behind_writes(c
         resumed, _ = _ema_swap_run("O2", cut=True, amp_first=True)
     assert "replaced FP32 masters that the amp.load_state_dict() before it" in caplog.text
     assert any(not torch.equal(value, resumed[name]) for name, value in uninterrupted.items())
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O4", "O5"])
+def test_parameters_saved_as_tensors_load_with_weights_only(level):
+    """TAPE saves ``list(amp.master_params(optimizer))``; others save ``list(model.parameters())``
+    or ``model.state_dict(keep_vars=True)``.  torch pickles a parameter's ``__dict__`` with it,
+    where ampinit marks the initializations holding it: ``torch.load``'s default
+    ``weights_only=True`` refused ampinit's class there.  The loaded values are the saved ones, and
+    a loaded parameter is held by nothing until it is initialized again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    for saved in (list(amp.master_params(opt)), list(model.parameters()), model.state_dict(keep_vars=True)):
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)  # weights_only=True, torch's default
+        values = saved.values() if isinstance(saved, dict) else saved
+        got = loaded.values() if isinstance(loaded, dict) else loaded
+        for before, after in zip(values, got):
+            assert torch.equal(before.detach(), after.detach()) and before.dtype == after.dtype
+    fresh = nn.Sequential(nn.Linear(4, 3))
+    fresh[0].weight = loaded["0.weight"]  # a loaded parameter in a new model, initialized again
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    fresh, fresh_opt = amp.initialize(fresh, fresh_opt, opt_level=level, verbosity=0)
+    assert amp.handle_of(fresh[0]) is amp.handle_of(fresh_opt)
