@@ -106,6 +106,16 @@ class _AmpOptimizerMixin:
     def _amp_lazy_init(self) -> None:
         """apex's call to finish that lazy setup early (Varuna, pipeline warm-ups): nothing to do."""
 
+    def _master_params_to_model_params(self) -> None:
+        """apex's O2 copy of this optimizer's FP32 masters into the model's 16-bit parameters,
+        which scripts call after writing the masters through ``.data`` (Adasum's and BMUF's
+        optimizers: ``master.data.copy_(value)``, which no version counter sees, so the next
+        forward would compute with the old weights).  Without masters (O0, O1, O3, O4) the model's
+        parameters are the ones written: nothing to do.  No host sync."""
+        binding = binding_of(self)
+        if binding is not None and binding.flow.masters is not None:
+            binding.flow.masters.copy_to_model([master for _, master in binding.flow.distinct_pairs()])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and
         the overflow flag of the step they belonged to (an abandoned backward must not skip

@@ -136,6 +136,68 @@ def test_optimizer_amp_lazy_init_is_there_and_changes_nothing(alias):
     assert len(optimizer._amp_stash.all_fp16_params) == len(optimizer._amp_stash.all_fp32_from_fp16_params) == 4
 
 
+class _AdasumStyle:
+    """Adasum's and BMUF's optimizers: after step(), write the masters through ``.data`` (an
+    all-reduced or block-momentum value), then copy them into the model if the optimizer can."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for master in group["params"]:
+                    master.data.copy_(master.data * 0.5 + 0.25)  # the "averaged" value
+        if hasattr(self.optimizer, "_master_params_to_model_params"):
+            self.optimizer._master_params_to_model_params()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
+@pytest.mark.parametrize("wrapper", ["amp", "fp16_optimizer"])
+def test_master_params_to_model_params_after_data_writes(alias, level, wrapper):
+    """After the write, the model holds the written masters (rounded to its dtype), as under
+    apex, and the next forward is the one an FP32 model with those masters, cast, computes.
+    Without the method the fp16 model ran on the old weights (E12)."""
+    from apex import amp
+    from apex.fp16_utils import FP16_Optimizer
+    if wrapper == "fp16_optimizer" and level != "O2":
+        pytest.skip("FP16_Optimizer is fp16 with masters")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    if wrapper == "amp":
+        model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                          opt_level=level, verbosity=0)
+        masters = lambda: list(amp.master_params(optimizer))  # noqa: E731
+    else:
+        model = model.half()
+        optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), verbose=False)
+        masters = lambda: [m for group in optimizer.fp32_from_fp16_groups for m in group]  # noqa: E731
+    dtype = {"O2": torch.float16, "O5": torch.bfloat16}.get(level, torch.float32)
+    adasum = _AdasumStyle(optimizer)
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(x.to(dtype)).float().pow(2).mean()
+        if wrapper == "amp":
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+        else:
+            optimizer.backward(loss)
+        before = [m.detach().clone() for m in masters()]
+        adasum.step()
+        for param, master, old in zip(model.parameters(), masters(), before):
+            assert not torch.equal(master, old)  # the step and the write happened
+            assert torch.equal(param.detach(), master.detach().to(dtype))
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with torch.no_grad():
+        for p, m in zip(reference.parameters(), masters()):
+            p.copy_(m)
+    if level != "O1":  # (O1's forward is autocast's; its parameters were compared above)
+        with torch.no_grad():
+            assert torch.equal(model(x.to(dtype)).float(), reference.to(dtype)(x.to(dtype)).float())
+
+
 def test_apex_amp_internals_raise_clear_errors(alias):
     from apex.amp._initialize import _initialize
     from apex.amp.scaler import LossScaler

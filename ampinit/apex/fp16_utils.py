@@ -304,6 +304,11 @@ class FP16_Optimizer:  # noqa: N801 (apex's name)
         """Unscale gradients left scaled by ``backward(..., update_master_grads=False)``."""
         self._handle.unscale_delayed([self._binding])
 
+    def _master_params_to_model_params(self) -> None:
+        """apex's private copy of the FP32 masters into the fp16 model, which scripts call after
+        writing the masters through ``.data`` (no version counter sees that).  No host sync."""
+        self.optimizer._master_params_to_model_params()
+
     def step(self, closure: Any = None) -> Any:
         """Update (or skip, on overflow) and copy the masters into the model.  One host sync."""
         if closure is not None:
