@@ -312,6 +312,28 @@ def test_persistent_nan_raises_naming_parameters(level, kwargs, expected_skips):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_overflow_at_a_floor_set_too_high_names_the_floor(level):
+    """min_loss_scale=65536 with a gradient of 1.0 overflows fp16 at every step, for real: the
+    error names the floor, not a NaN bug (the same model trains with the default floor)."""
+    for floor, raises in ((2.0 ** 16, True), (None, False)):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        kwargs = {} if floor is None else {"min_loss_scale": floor}
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+        x = torch.ones(8, 4)
+        context = pytest.raises(RuntimeError, match=r"cannot go below min_loss_scale=65536.*lower min_loss_scale") \
+            if raises else contextlib.nullcontext()
+        with context:
+            for _ in range(40):
+                opt.zero_grad()
+                with amp.scale_loss(model(x).float().sum() / 8, opt) as scaled:  # bias gradient 1.0
+                    scaled.backward()
+                opt.step()
+        assert (opt.amp.skipped_steps >= 16) == raises
+
+
 def test_persistent_nan_check_can_be_disabled():
     model, opt = setup("O5")
     opt.amp.max_skips_at_floor = None
