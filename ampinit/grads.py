@@ -319,8 +319,11 @@ class GradientFlow:
 
     def _suspect(self, model: torch.Tensor, master: torch.Tensor, grad: torch.Tensor) -> None:
         """A token changed in place or replaced: zero the master's gradient on the device where
-        it is all zeros; whether it holds anything else is read at step."""
-        written = grad.ne(0).any()
+        it is all (positive) zeros; whether it holds anything else is read at step.  A negative
+        zero is a write: ``zero_()`` and ``fill_(0)`` give ``+0.0``, while multiplying by zero
+        keeps the sign, as ``clip_grad_norm_(model.parameters())`` does where the 16-bit norm of
+        the scaled gradients overflowed (a coefficient of ``max_norm / inf``)."""
+        written = grad.ne(0).any() if grad.is_complex() else (grad.ne(0) | grad.signbit()).any()
         if master.grad is not None and master not in self.deferred:
             master.grad.masked_fill_(written.logical_not(), 0.0)
         self._suspects.append((written, model))

@@ -360,7 +360,8 @@ class AmpHandle:
                 "ampinit: gradients were changed inside `with ampinit.scale_loss(...)`, after the backward, where they "
                 "are still multiplied by the loss scale.  A linear change (averaging over processes, dividing by the "
                 "accumulation count) comes out right, but clipping or normalizing them there clips the scaled values: "
-                "the update comes out about loss-scale times too small.  Clip after the with block, on "
+                "the update comes out about loss-scale times too small, or zero where the norm of the scaled 16-bit "
+                "gradients overflowed.  Clip after the with block, on "
                 "ampinit.master_params(optimizer).  If it was a second backward, of a loss not multiplied by the "
                 "scale (aux_loss.backward()), its gradients are divided by the scale at the exit, about lost: "
                 "scale the sum instead, ampinit.scale_loss(loss + aux_loss, optimizer).  (Logged once)")

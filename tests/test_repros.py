@@ -1061,6 +1061,37 @@ def test_r14_clipping_the_model_parameters_is_caught(level):
         opt.step()
 
 
+@pytest.mark.parametrize("clip", ["norm", "mul_zero"])
+def test_r14_clipping_where_the_16_bit_norm_overflows_is_caught_not_taken_as_zeroing(clip):
+    """At O2 the model's gradients are the fp16 ones times the loss scale (2**16): their fp16
+    norm overflows for a true norm above about 1, torch's clip multiplies every gradient by
+    max_norm/inf = 0, and the zeros looked like zero_(): every master gradient was zeroed and
+    training stopped without a word (F11).  A product with zero keeps the sign (-0.0); zero_()
+    does not.  zero_() of every gradient is still a deliberate clear (the step moves nothing
+    but the momentum), as in torch."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    with amp.scale_loss(nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)), opt) as scaled:
+        scaled.backward()
+    if clip == "norm":
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # should be amp.master_params(opt)
+        assert torch.isinf(norm)  # the situation of the report: the scaled fp16 norm overflowed
+    else:
+        for param in model.parameters():
+            param.grad.mul_(0.0)
+    with pytest.raises(RuntimeError, match="clip ampinit.master_params"):
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)), opt) as scaled:
+        scaled.backward()
+    for param in model.parameters():
+        param.grad.zero_()
+    opt.step()  # a deliberate clear: nothing to update from
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 # -- s_model_zero_grad_o2: every way of clearing gradients, as in torch ------------------------
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
