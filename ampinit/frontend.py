@@ -473,6 +473,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
                 "optimizer.step(): the gradients are unscaled into the masters when the block ends.  Nothing was "
                 "changed")
     if binding is not None:
+        binding.flow.settle_model_clears()  # model.zero_grad() since: no stale master gradients
         binding.flow.materialize_deferred()
         if binding.flow.masters is not None:  # writes to the model since the last step, adopted
             binding.flow.masters.sync(binding.flow.models())

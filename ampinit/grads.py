@@ -312,6 +312,19 @@ class GradientFlow:
         if not at_step:  # at step, after the owed zeros (see check_ready_for_step)
             self._forget_overflow_without_gradients()
 
+    def settle_model_clears(self) -> None:
+        """Masters whose model parameter's gradient was set to ``None`` since ampinit left it
+        there (``model.zero_grad()``, ``p.grad = None``) lose theirs now, as the one tensor of
+        plain torch would: before ``optimizer.zero_grad(set_to_none=False)`` zeroes what is
+        left (it would bring a cleared gradient back as zeros, which step() applies: weight
+        decay, momentum, Adam's step count) and before ``master_params`` shows them.  A Python
+        pass over the pairs, no device work."""
+        for model, master in self.distinct_pairs():
+            if model.grad is None and self._tokens.get(model, _DETACHED)[0] is not None:
+                self._clear_master_grad(master)
+                self._owed_zeros.discard(master)
+                self._tokens.pop(model, None)
+
     def _forget_overflow_without_gradients(self) -> None:
         if all(model.grad is None and master.grad is None and master not in self.deferred
                for model, master in self.pairs()):
@@ -681,7 +694,7 @@ class GradientFlow:
             self._restored_zeros = set()
             self._owed_zeros = set()
         self._dropped = []
-        for model, _ in self.distinct_pairs():
+        for model, master in self.distinct_pairs():
             if model.grad is None:
                 self._tokens.pop(model, None)
             elif set_to_none:
@@ -692,6 +705,8 @@ class GradientFlow:
                     model.grad = model.grad.detach()
                 model.grad.zero_()
                 self._token(model, model.grad)
+                if master.grad is None:  # its gradient was deferred (a fused optimizer's), cleared below
+                    self._owed_zeros.add(master)
         self._stash.clear()
         self.deferred.clear()
         self._suspects.clear()

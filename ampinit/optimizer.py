@@ -121,6 +121,8 @@ class _AmpOptimizerMixin:
         the overflow flag of the step they belonged to (an abandoned backward must not skip
         the next step)."""
         binding = binding_of(self)
+        if binding is not None:
+            binding.flow.settle_model_clears()
         if binding is not None and set_to_none:
             for master in binding.flow.masters_model_of:
                 binding.flow.keep_spare(master)

@@ -1092,6 +1092,62 @@ def test_r14_clipping_where_the_16_bit_norm_overflows_is_caught_not_taken_as_zer
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+_CLEAR_THEN_ZERO_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+    "fused_adam": lambda params: ampinit.optim.FusedAdam(params, lr=0.01),
+    "fused_sgd": lambda params: ampinit.optim.FusedSGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)}
+
+
+@pytest.mark.parametrize("level", [None, "O0", "O1", "O2", "O3", "O5"])
+@pytest.mark.parametrize("kind", list(_CLEAR_THEN_ZERO_OPTIMIZERS))
+def test_model_zero_grad_then_zero_grad_false_leaves_nothing_to_step(level, kind):
+    """torch: model.zero_grad() sets every gradient to None, zero_grad(set_to_none=False) then
+    has nothing to zero, and step() moves nothing and makes no state.  At O2/O5 the masters kept
+    their gradients until the next scale_loss, the second call zeroed them in place, and the
+    step applied weight decay and counted an Adam step (G17's fuzz); master_params showed the
+    stale gradients meanwhile."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = _CLEAR_THEN_ZERO_OPTIMIZERS[kind](model.parameters())
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    amp_backward(model(torch.randn(5, 4)).float().pow(2).mean(), opt, level)
+    model.zero_grad()
+    if level is not None:
+        assert all(p.grad is None for p in amp.master_params(opt))
+    opt.zero_grad(set_to_none=False)
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
+@pytest.mark.parametrize("kind", ["fused_adam", "fused_sgd"])
+def test_fused_zero_grad_false_after_a_step_without_gradients_still_steps_on_zeros(level, kind):
+    """backward, step, a step with no gradients, backward, zero_grad(set_to_none=False), step:
+    the last step runs on zero gradients (Adam counts it; momentum moves the weights), as at
+    O0/O1 and in torch.  At O2/O5 the fused optimizers' deferred gradients were cleared with no
+    zeros owed for them, and the step did nothing (G17's fuzz)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = _CLEAR_THEN_ZERO_OPTIMIZERS[kind](model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x = torch.randn(5, 4)
+    amp_backward(model(x).float().pow(2).mean(), opt, level)
+    opt.step()
+    opt.step()  # the fused step dropped the gradients: nothing to do
+    amp_backward(model(x).float().pow(2).mean(), opt, level)
+    opt.zero_grad(set_to_none=False)
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    opt.step()
+    assert all(not torch.equal(p, m) for p, m in zip(amp.master_params(opt), masters))  # momentum moved them
+    if kind == "fused_adam":
+        assert all(float(opt.state[p]["step"]) == 2 for p in amp.master_params(opt))
+
+
 # -- s_model_zero_grad_o2: every way of clearing gradients, as in torch ------------------------
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
