@@ -330,15 +330,16 @@ class OptimizerBinding:
     def _persistent_overflow_message(self, scalers: List[Any]) -> str:
         where = ", ".join(self._last_overflow_params) or "none found"
         static = sorted({s.loss_scale() for s in scalers if not s.dynamic and s.loss_scale() > 1.0})
-        floors = sorted({s.min_loss_scale for s in scalers if s.dynamic and s.min_loss_scale > 1.0})
+        # a floor the user set (the default is fp16's smallest subnormal): real overflows there are possible
+        floors = sorted({s.min_loss_scale for s in scalers if s.dynamic and s.min_loss_scale >= 2.0 ** -8})
         if static:
             cause = (f"the static loss scale {static[-1]:g} may be too large for these gradients: lower "
                      "loss_scale, or pass loss_scale='dynamic' to initialize.  If they are inf/NaN at any scale, "
                      "look for NaN in the data, the loss or the model")
-        elif floors:  # a floor set above 1 by the user: the gradients may overflow there for real
-            cause = (f"the dynamic scale cannot go below min_loss_scale={floors[-1]:g}, which may be too large for "
-                     "these gradients: lower min_loss_scale (or leave it unset) in initialize.  If they are inf/NaN "
-                     "at any scale, look for NaN in the data, the loss or the model")
+        elif floors:
+            cause = (f"the dynamic scale cannot go below min_loss_scale={floors[-1]:g}: either these gradients "
+                     "overflow even at that scale (lower min_loss_scale, or leave it unset, in initialize), or they "
+                     "are inf/NaN at any scale, which points at a bug (NaN in the data, the loss or the model)")
         else:
             cause = ("these gradients are not overflowing, they are inf/NaN at any scale, which points at a bug "
                      "(NaN in the data, the loss or the model) or at state that keeps a skipped step's inf/NaN (a "

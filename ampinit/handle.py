@@ -105,7 +105,8 @@ class AmpHandle:
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
-        self._autocast_checked = False  # see _check_autocast_reached
+        self._autocast_checked = False  # see _check_autocast_reached: logged (or nothing to check)
+        self._autocast_window, self._window_entered = -1, False
         # scale_loss calls so far (a load_state_dict does not rewind it): see frontend._check_one_live
         self.losses_scaled = 0
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
@@ -524,36 +525,56 @@ class AmpHandle:
         return self._reported
 
     def _check_autocast_reached(self) -> None:
-        """At the first ``scale_loss`` of O1/O4: log once if no initialized model's forward has
-        run (training code that calls submodules directly, ``model.generator(z)``, never enters
-        the autocast that these levels scope to the model's forward, and trains in FP32)."""
+        """O1/O4, at each ``scale_loss``: log once if no initialized model ran its forward since
+        the last ``step()`` of this initialization (or, before the first, since ``initialize``):
+        that loss came from code that calls submodules directly (``model.generator(z)``, or a
+        GAN's discriminator step through ``model.discriminator``), which never enters the autocast
+        these levels scope to the model's forward, and computed in FP32.  Several losses of one
+        forward, and a forward in an earlier step's window, are fine; a validation forward does
+        not hide a training step that has none."""
         if self._autocast_checked:
             return
-        self._autocast_checked = True
         scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
-        if not scopes or any(scope.entered for scope in scopes) or torch.is_autocast_enabled(self.device.type):
+        if not scopes:
+            self._autocast_checked = True
             return
+        window = sum(binding.steps for binding in self._bindings)
+        if window != self._autocast_window:  # a step since the last scale_loss: a new window
+            self._autocast_window = window
+            self._window_entered = False
+        for scope in scopes:
+            self._window_entered = self._window_entered or scope.entered
+            scope.entered = False
+        if self._window_entered or torch.is_autocast_enabled(self.device.type):
+            return
+        self._autocast_checked = True
         logger.warning(
-            "ampinit: %s scaled its first loss, but no model given to initialize ran its forward: the training code "
-            "called their submodules (or other modules) directly, so nothing ran under the %s autocast that %s "
-            "enters in the initialized model's forward, and the forward computed in FP32.  Call the initialized "
-            "model itself, or initialize the submodules the code calls (amp.initialize([gen, disc], ...)).  Code that "
-            "enters torch.autocast(%r, dtype=%s) around such forwards itself can ignore this (logged once)",
+            "ampinit: %s scaled a loss, but no model given to initialize ran its forward since the last step: the "
+            "training code called their submodules (or other modules) directly, so nothing ran under the %s "
+            "autocast that %s enters in the initialized model's forward, and that forward computed in FP32.  Call "
+            "the initialized model itself, or initialize the modules the code calls (amp.initialize([gen, disc], "
+            "...)).  Code that enters torch.autocast(%r, dtype=%s) around such forwards itself can ignore this "
+            "(logged once)",
             self.config.opt_level, self.config.autocast_dtype, self.config.opt_level, self.device.type,
             self.config.autocast_dtype)
 
     @contextlib.contextmanager
     def autocast_step(self) -> Iterator[None]:
-        """The O1/O4 autocast around a whole training step (Lightning's ``forward_context``),
-        for code that calls submodules directly; a no-op at other levels."""
-        if self.config.autocast_dtype is None:
+        """The O1/O4 autocast (and the registered-function casts) around a whole training step
+        (Lightning's ``forward_context``), for code that calls submodules directly; a no-op at
+        other levels."""
+        self.check_not_ended()
+        scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
+        if not scopes:
             yield
             return
-        for casting in self._castings:
-            if casting.autocast_scope is not None:
-                casting.autocast_scope.entered = True
-        with torch.autocast(self.device.type, dtype=self.config.autocast_dtype):
+        scopes[0].enter()  # as the model's forward pre-hook: a forward inside nests in it
+        try:
             yield
+        finally:
+            scopes[0].exit()
+        for scope in scopes:  # the losses of this step come from under the autocast
+            scope.entered = True
 
     def note_unmastered_parameters(self, module: nn.Module, prefix: str = "", recurse: bool = True) -> None:
         """Log, once per parameter, the 16-bit parameters of ``module`` that this initialization

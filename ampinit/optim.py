@@ -449,8 +449,8 @@ class FusedAdam(_FusedOptimizer):
                          if isinstance(self.state.get(param, {}).get("step"), torch.Tensor)]
                 if "step" in group and steps:
                     count = int(torch.stack([step.to(steps[0].device) for step in steps]).max())  # a sync
-                    group["step"] = group["step"].new_tensor(count) if isinstance(group["step"], torch.Tensor) \
-                        else count
+                    old = group["step"]  # keeps its type: a tensor, an int (apex's) or a float
+                    group["step"] = old.new_tensor(count) if isinstance(old, torch.Tensor) else type(old)(count)
             del self.__dict__["_group_step_behind"]
 
     def _adopt_group_step(self, group: dict) -> None:

@@ -323,8 +323,9 @@ def test_overflow_at_a_floor_set_too_high_names_the_floor(level):
         kwargs = {} if floor is None else {"min_loss_scale": floor}
         model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
         x = torch.ones(8, 4)
-        context = pytest.raises(RuntimeError, match=r"cannot go below min_loss_scale=65536.*lower min_loss_scale") \
-            if raises else contextlib.nullcontext()
+        message = r"cannot go below min_loss_scale=65536: either these gradients overflow even at that scale " \
+            r"\(lower min_loss_scale.*or they are inf/NaN"
+        context = pytest.raises(RuntimeError, match=message) if raises else contextlib.nullcontext()
         with context:
             for _ in range(40):
                 opt.zero_grad()
@@ -1483,6 +1484,55 @@ class _Gan(nn.Module):
         return self.discriminator(self.generator(z))
 
 
+@pytest.mark.parametrize("first", ["validation_forward", "one_step_through_the_model"])
+def test_o1_submodule_training_is_logged_after_a_forward_that_did_enter(first, caplog):
+    """A validation forward (or a step through the model) before submodule-only training must
+    not hide it: the check is per step window (G18).  Two losses of one forward are not logged."""
+    model = _Gan()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=1.0)
+    z = torch.randn(16, 8)
+    message = "no model given to initialize ran its forward since the last step"
+    with caplog.at_level("WARNING", logger="ampinit"):
+        if first == "validation_forward":
+            with torch.no_grad():
+                model(z)
+        else:
+            out = model(z)
+            for loss_id in range(2):  # two losses of one forward: not logged
+                with amp.scale_loss(out.float().pow(2).mean() * (loss_id + 1), opt) as scaled:
+                    scaled.backward(retain_graph=loss_id == 0)
+            opt.step()
+            assert message not in caplog.text
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(model.discriminator(model.generator(z)).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    assert caplog.text.count(message) == 1
+
+
+def test_autocast_step_applies_registered_casts_and_refuses_an_ended_handle(monkeypatch):
+    """As the model's forward: autocast and the registered-function casts (G18: it entered
+    autocast only, so a function registered FP32 ran in fp16 there)."""
+    from ampinit import registry
+    monkeypatch.setattr(registry, "_TORCH_POLICIES", {})  # registrations are process-wide
+    amp.register_float_function(torch, "mm")
+    model = _Gan()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    handle = amp.handle_of(opt)
+    with handle.autocast_step():
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32  # registered: FP32
+        assert torch.matmul(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float16
+        assert model.generator(torch.randn(2, 8)).dtype == torch.float16
+    assert torch.matmul(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+    amp.end(model)
+    with pytest.raises(RuntimeError, match="has ended"):
+        with handle.autocast_step():
+            pass
+
+
 @pytest.mark.parametrize("level", ["O1", "O4"])
 @pytest.mark.parametrize("call", ["submodules", "model", "both_initialized", "autocast_step"])
 def test_o1_o4_training_that_never_calls_the_initialized_model_is_logged(level, call, caplog):
@@ -1513,7 +1563,7 @@ def test_o1_o4_training_that_never_calls_the_initialized_model_is_logged(level, 
             opt.step()
             reference(z).pow(2).mean().backward()
             ref_opt.step()
-    logged = caplog.text.count("no model given to initialize ran its forward")
+    logged = caplog.text.count("no model given to initialize ran its forward since the last step")
     assert logged == (1 if call == "submodules" else 0)
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert same == (call == "submodules")  # the others computed in 16 bits
