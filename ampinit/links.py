@@ -10,6 +10,7 @@ model and optimizer do (see :class:`ModuleHook` for the one exception).
 
 from __future__ import annotations
 
+import collections
 import gc
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional
@@ -99,11 +100,12 @@ class WeakLink(DeadWhenCopied):
 class ParameterMarks(list):
     """A parameter's :class:`WeakLink` s (under ``_PARAM_ATTR`` in its ``__dict__``, which torch
     pickles with it).  A copy (``deepcopy``, or a pickle: ``torch.save(list(model.parameters()))``,
-    ``model.state_dict(keep_vars=True)``) is held by no initialization and gets an empty ``set``,
-    which ``torch.load(weights_only=True)`` accepts (it refuses ampinit's classes)."""
+    ``model.state_dict(keep_vars=True)``) is held by no initialization and gets an empty
+    ``OrderedDict``, which ``torch.load(weights_only=True)`` accepts in every torch ampinit
+    supports (it refuses ampinit's classes)."""
 
     def __reduce__(self):
-        return (set, ())
+        return (collections.OrderedDict, ())
 
 
 _DEAD_LINK = HandleLink()  # what a module hook sees once its initialization is gone
@@ -144,7 +146,7 @@ def handles_holding_parameter(param: torch.Tensor) -> List["AmpHandle"]:
     another model is found here, where its module is not).  Marks of initializations that are
     gone are dropped on the way (dropped folds sharing a backbone would pile them up)."""
     marks = param.__dict__.get(_PARAM_ATTR)
-    if not marks or not isinstance(marks, ParameterMarks):  # (a copy's empty set)
+    if not marks or not isinstance(marks, ParameterMarks):  # (a copy's empty OrderedDict)
         return []
     handles = []
     for mark in marks:
@@ -188,7 +190,7 @@ def watch_foreign_steps() -> None:
 def mark_parameters(params: Iterable[torch.Tensor], link: HandleLink) -> None:
     for param in params:
         marks = param.__dict__.get(_PARAM_ATTR)
-        if not isinstance(marks, ParameterMarks):  # none yet, or a copy's empty set
+        if not isinstance(marks, ParameterMarks):  # none yet, or a copy's empty OrderedDict
             marks = param.__dict__[_PARAM_ATTR] = ParameterMarks()
         if all(mark.link is not link for mark in marks):
             marks.append(WeakLink(link))
