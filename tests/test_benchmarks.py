@@ -21,6 +21,7 @@ SCRIPTS = {
     "bench_state_dict": ["--layers", "1", "--width", "16", "--repeats", "1"],
     "bench_forward_hook": ["--layers", "2", "--width", "8", "--repeats", "1"],
     "bench_zero_grad_kept": ["--width", "16", "--steps", "1"],
+    "bench_zero_grad": ["--layers", "2", "--width", "8", "--repeats", "1"],
     "bench_memory": ["--layers", "1", "--seq", "4", "--warmup", "2", "--steps", "1", "--config", "fp32",
                      "--config", "O5-rem-bf16"],
     "gpu/bench_grad_path": ["--device", "cpu", "--quick"],

@@ -1,0 +1,982 @@
+"""Stateful call-order fuzz: random legal sequences of what a training script does, in any order.
+
+Each seed draws a configuration (opt level O0-O5; SGD with momentum, Adam, AdamW,
+``ampinit.optim.FusedAdam`` or ``FusedSGD``; no scheduler, StepLR, LambdaLR or OneCycleLR, built
+before or after ``initialize``; one or two losses; initial scale; growth interval) and a sequence
+of user operations: a backward in ``scale_loss`` (sometimes with an inf in the input or a NaN
+loss), an accumulation over 2-3 backwards (with ``delay_unscale`` or not), ``step()``,
+``zero_grad`` both ways, ``model.zero_grad()``, a scheduler step, ``add_param_group``, freezing and
+unfreezing a layer, train/eval, clipping ``amp.master_params``, ``deepcopy(model)``, ``end()``,
+an exception inside the ``scale_loss`` block, and ten kinds of bad call. Clears often come in
+pairs, and the sequences that broke ampinit before (K3, K5: see ``past_finding``) are spliced in
+at random points, so that every run meets them in some context.
+
+The sequence runs under ampinit, and the following must hold:
+
+1. a run checkpointed at a clean point (every gradient ``None``) and resumed into fresh objects
+   ends bit for bit where the uninterrupted run ends (README, "Checkpoints that resume exactly");
+2. at O0, model, optimizer state and learning rates equal plain PyTorch's bit for bit after every
+   operation;
+3. at O2/O5, after every step the model holds its masters rounded to the model's dtype;
+4. a step skips iff an inf/NaN was planted since the last clear; a skipped step changes nothing;
+   a planted overflow halves a dynamic scale and leaves a static one;
+5. at O1-O5 the weights stay within a tolerance of a hand-written reference (cast model or
+   autocast, FP32 masters at O2/O5, per-loss scale with backoff and growth, skip on inf/NaN),
+   and the loss scale, the learning rates and how often the optimizer stepped each parameter are
+   equal to it after every operation (a step on zeros can hide within the tolerance, not there);
+6. a bad call raises ``TypeError``/``ValueError``/``RuntimeError`` and leaves model, optimizer,
+   scaler and gradients as they were;
+7. ``deepcopy(model)`` computes what the model computes, ``end()`` leaves FP32 weights equal to
+   the masters, and ``model.zero_grad()`` leaves ``amp.master_params`` without gradients.
+
+The references (plain PyTorch at O0, the hand-written one at O1-O5) mirror the deviations the
+README documents under "Gradients behave as in PyTorch", and nothing else:
+
+* K1: a step that dropped its gradients (a skipped one, any step of a fused optimizer) leaves them
+  ``None``, and ``zero_grad(set_to_none=False)`` gives them back as zeros, also after a
+  ``model.zero_grad()`` in between;
+* K2: at O0, a ``delay_unscale`` accumulation after an earlier backward adds ``earlier + (a + b)``
+  where torch adds ``(earlier + a) + b`` (last bits);
+* K4: at O2/O5 a gradient kept across a step with no clear on a frozen parameter is dropped at the
+  next ``scale_loss``. The generator never builds that sequence (a frozen parameter crosses a step
+  only after a clear).
+
+A failure names the seed, the configuration and the operations: ``check_sequence(config, ops)``
+replays them. 600 seeds of about 19 operations each run in under a minute on two cores.
+"""
+import copy
+import dataclasses
+import io
+import logging
+import math
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit
+import ampinit.optim
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+OPTIMIZERS = ["sgd", "adam", "adamw", "fused_adam", "fused_sgd"]
+SCHEDULERS = [None, "step", "lambda", "onecycle"]
+DYNAMIC_LEVELS = {"O1", "O2"}
+MASTER_LEVELS = {"O2", "O5"}
+CAST_DTYPE = {"O2": torch.float16, "O3": torch.float16, "O5": torch.bfloat16}
+AUTOCAST_DTYPE = {"O1": torch.float16, "O4": torch.bfloat16}
+BAD_CALLS = ["loss_id", "amp_state_dict", "optimizer_state_dict", "non_tensor_loss", "master_params_in_block",
+             "nested", "non_scalar_loss", "bool_loss_id", "step_in_block", "amp_state_dict_keys"]
+# bad calls that run a backward inside the block before (maybe) raising: gradients stay, as on
+# any exception inside scale_loss, so every run does that backward
+BAD_CALLS_WITH_BACKWARD = {"master_params_in_block", "step_in_block"}
+FREEZABLE = ["a.weight", "b.bias", "b.weight"]
+
+BLOCKS = 12
+SEEDS_PER_BLOCK = 50
+OPS_PER_SEED = 16
+
+# The reference at O1-O5 computes in the same low precision by other means (autocast vs cast
+# model, another summation order), so it agrees to a few 16-bit ulps over a sequence.
+REFERENCE_RTOL = 1e-2
+REFERENCE_ATOL = 2e-3
+
+
+class FuzzFailure(AssertionError):
+    pass
+
+
+class Net(nn.Module):
+    """Two trained layers, dropout (so the RNG state matters) and a frozen head that a later
+    ``add_param_group`` trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+        self.head = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        h = self.b(self.drop(torch.relu(self.a(x))))
+        return h + self.head(h)
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01, eps=1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, eps=1e-3, weight_decay=0.01)
+    if kind == "fused_adam":
+        return ampinit.optim.FusedAdam(params, lr=0.01, eps=1e-3, adam_w_mode=False)
+    if kind == "fused_sgd":
+        return ampinit.optim.FusedSGD(params, lr=0.05, momentum=0.9)
+    raise ValueError(kind)
+
+
+def make_scheduler(kind, optimizer):
+    if kind == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if kind == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    if kind == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=500)
+    return None
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    level: str
+    optimizer: str
+    scheduler: str
+    scheduler_before_initialize: bool
+    num_losses: int
+    init_seed: int
+    init_scale: float
+    growth_interval: int
+
+    @property
+    def fused(self):
+        return self.optimizer.startswith("fused")
+
+    @property
+    def masters(self):
+        return self.level in MASTER_LEVELS
+
+
+def generate_config(rng):
+    return Config(level=rng.choice(LEVELS), optimizer=rng.choice(OPTIMIZERS), scheduler=rng.choice(SCHEDULERS),
+                  scheduler_before_initialize=rng.random() < 0.5, num_losses=rng.choice([1, 1, 2]),
+                  init_seed=rng.randrange(1 << 30),
+                  # small scales and short intervals so that real overflows and growth happen
+                  init_scale=rng.choice([2.0 ** 16, 2.0 ** 10, 2.0 ** 24]),
+                  growth_interval=rng.choice([2000, 3, 1]))
+
+
+def random_clear(rng):
+    # the last field of model_zero_grad: look at amp.master_params right after (which settles the
+    # clear), not always, so that zero_grad() and step() have to settle it too
+    return rng.choice([("zero_grad", True), ("zero_grad", False), ("model_zero_grad", rng.random() < 0.5)])
+
+
+def past_finding(rng, loss_id):
+    """Sequences that broke ampinit before (the G17 fuzz), spliced in so that every run meets them:
+    a step on gradients cleared twice (K5), a fused optimizer's step on zeros after an empty step
+    (K3); and the documented K1, zeros owed after a skipped step across a ``model.zero_grad()``."""
+    def backward(fault=None):
+        return ("backward", rng.randrange(1 << 30), fault, loss_id)
+
+    return rng.choice([
+        [backward(), ("model_zero_grad", False), ("zero_grad", False), ("step",)],
+        [backward(), ("step",), ("step",), backward(), ("zero_grad", False), ("step",)],
+        [backward("nan_loss"), ("step",), ("model_zero_grad", False), ("zero_grad", False), ("step",)],
+    ])
+
+
+def random_ops(rng, config, n):
+    """n draws of user operations (a few draws give two or more), maybe ending in ``end()``.
+    Each op is a tuple, its kind first."""
+    ops = []
+    added_group = False
+    for _ in range(n):
+        r = rng.random()
+        fault = rng.choice([None] * 6 + ["inf_input", "nan_loss"])
+        loss_id = rng.randrange(config.num_losses)
+        if r < 0.27:
+            ops.append(("backward", rng.randrange(1 << 30), fault, loss_id))
+        elif r < 0.33:
+            seeds = [rng.randrange(1 << 30) for _ in range(rng.randint(2, 3))]
+            ops.append(("accumulate", seeds, fault, loss_id, rng.random() < 0.5))  # last: delay_unscale
+        elif r < 0.50:
+            ops.append(("step",))
+        elif r < 0.62:
+            # scripts often clear twice (model and optimizer, or before and after the step)
+            ops.extend(random_clear(rng) for _ in range(rng.randint(1, 2)))
+        elif r < 0.65:
+            ops.extend(past_finding(rng, loss_id))
+        elif r < 0.70 and config.scheduler:
+            ops.append(("scheduler_step",))
+        elif r < 0.72 and not added_group and config.scheduler in (None, "step"):
+            added_group = True  # OneCycleLR and LambdaLR need per-group settings a late group lacks
+            ops.append(("add_param_group",))
+        elif r < 0.76:
+            ops.append(("toggle_requires_grad", rng.choice(FREEZABLE)))
+        elif r < 0.79:
+            ops.append(("train", rng.random() < 0.5))
+        elif r < 0.83:
+            ops.append(("clip", rng.choice([0.01, 0.5, 10.0])))
+        elif r < 0.86:
+            ops.append(("deepcopy", rng.randrange(1 << 30)))
+        elif r < 0.90:
+            ops.append(("exception_in_block", rng.randrange(1 << 30), rng.random() < 0.5, loss_id))
+        elif r < 0.95:
+            ops.append(("bad_call", rng.choice(BAD_CALLS)))
+        else:
+            ops.append(("backward", rng.randrange(1 << 30), None, loss_id))
+    if rng.random() < 0.2:
+        ops.append(("end",))
+    return ops
+
+
+def without_k4(ops):
+    """K4 (README): at O2/O5 a gradient that a frozen parameter keeps across a step with no clear
+    is dropped at the next scale_loss. Clear (set_to_none) after a step where a freeze came since
+    the last clear, and before a freeze where a step came since it."""
+    out = []
+    toggled = stepped = False
+
+    def emit(op):
+        nonlocal toggled, stepped
+        out.append(op)
+        if op in (("zero_grad", True), ("model_zero_grad", True), ("model_zero_grad", False)):
+            toggled = stepped = False
+        toggled |= op[0] == "toggle_requires_grad"
+        stepped |= op[0] == "step"
+
+    for op in ops:
+        if op[0] == "toggle_requires_grad" and stepped:
+            emit(("zero_grad", True))
+        emit(op)
+        if op[0] == "step" and toggled:
+            emit(("zero_grad", True))
+    return out
+
+
+def generate_ops(rng, config, n):
+    ops = random_ops(rng, config, n)
+    return without_k4(ops) if config.masters else ops
+
+
+def clean_cut_points(ops):
+    """Indices after which every gradient is ``None`` in torch *and* ampinit, so a checkpoint
+    there holds the whole state."""
+    clean = []
+    grads_none = True
+    dropped_pending = False  # K1: ampinit owes zeros for a step's dropped gradients
+    for i, op in enumerate(ops[:-1]):
+        kind = op[0]
+        if kind == "step":
+            dropped_pending = True
+        elif kind == "zero_grad":
+            dropped_pending = False
+        if kind in ("backward", "accumulate") or (kind == "exception_in_block" and op[2]) or (
+                kind == "bad_call" and op[1] in BAD_CALLS_WITH_BACKWARD):
+            grads_none = False
+        elif kind == "model_zero_grad":
+            grads_none = not dropped_pending  # the owed zeros are not in a checkpoint
+        elif kind == "zero_grad":
+            grads_none = op[1]
+        if grads_none:
+            clean.append(i)
+    return clean
+
+
+# -- comparing state bit for bit -------------------------------------------------------------------
+
+def bits(t):
+    t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16).clone()
+    if t.dtype == torch.float32:
+        return t.view(torch.int32).clone()
+    return t.clone()
+
+
+def as_float(tree_tensor):
+    _, dtype, _, raw = tree_tensor
+    return raw.view(dtype).float()
+
+
+def tree_bits(x):
+    """A copy of a state tree that compares bit for bit (NaN equals NaN)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape), bits(x))
+    if isinstance(x, dict):
+        return {k: tree_bits(v) for k, v in x.items() if k != "differentiable"}
+    if isinstance(x, (list, tuple)):
+        return [tree_bits(v) for v in x]
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return x
+
+
+def tree_diff(a, b, path=""):
+    """The first place where two ``tree_bits`` differ, or None."""
+    if isinstance(a, tuple) and a[:1] == ("tensor",):
+        if not (isinstance(b, tuple) and b[:1] == ("tensor",)):
+            return f"{path}: tensor vs {type(b).__name__}"
+        if a[1:3] != b[1:3]:
+            return f"{path}: dtype/shape {a[1:3]} vs {b[1:3]}"
+        return None if torch.equal(a[3], b[3]) else f"{path}: values differ"
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b)) if isinstance(b, dict) else b}"
+        return next((d for k in a if (d := tree_diff(a[k], b[k], f"{path}.{k}"))), None)
+    if isinstance(a, list):
+        if not isinstance(b, list) or len(a) != len(b):
+            return f"{path}: {len(a)} items vs {len(b) if isinstance(b, list) else b}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := tree_diff(x, y, f"{path}[{i}]"))), None)
+    return None if a == b else f"{path}: {a!r} vs {b!r}"
+
+
+def snapshot_diff(a, b, keys):
+    return next((d for k in keys if k in a and k in b and (d := tree_diff(a[k], b[k], k))), None)
+
+
+def never_applied(state):
+    """A fused optimizer creates its state at a step that then skips on the device: zeros that
+    torch would not have made yet."""
+    for key, value in state.items():
+        if key == "step":
+            if float(value) != 0:
+                return False
+        elif isinstance(value, torch.Tensor):
+            if bool((value != 0).any()):
+                return False
+        elif value is not None:
+            return False
+    return True
+
+
+def optimizer_state_bits(optimizer):
+    state_dict = dict(optimizer.state_dict())
+    state_dict["state"] = {k: v for k, v in state_dict["state"].items() if not never_applied(v)}
+    return tree_bits(state_dict)
+
+
+def optimizer_step_counts(optimizer):
+    """Which parameters the optimizer has stepped, and how often: exact at every level (weights
+    are compared within a tolerance, so a step on zero gradients could hide in them)."""
+    return {index: float(state.get("step", -1)) for index, state in optimizer.state_dict()["state"].items()
+            if not never_applied(state)}
+
+
+def grads_bits(params):
+    return [None if p.grad is None else bits(p.grad) for p in params]
+
+
+# -- the three ways of running a sequence -------------------------------------------------------------
+
+class Trainer:
+    """Runs ops on a fresh model; subclasses say how a backward, a step and a clear are done."""
+
+    def __init__(self, config):
+        self.config = config
+        self.level = config.level
+        self.added_group = False
+        self.ended = False
+        self.loss_nonfinite = False
+        self.dropped = []  # K1: gradients a step dropped, given back as zeros by zero_grad(False)
+        torch.manual_seed(config.init_seed)
+        self.model = Net()
+        self.model.head.requires_grad_(False)
+
+    def trained_params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def snapshot(self):
+        snap = {"model": {n: tree_bits(p) for n, p in self.model.named_parameters()},
+                "optimizer_state": optimizer_state_bits(self.optimizer),
+                "lr": [group["lr"] for group in self.optimizer.param_groups],
+                "step_counts": optimizer_step_counts(self.optimizer)}
+        if self.scheduler is not None:
+            snap["scheduler"] = tree_bits({k: v for k, v in self.scheduler.state_dict().items()
+                                           if k not in ("lr_lambdas", "anneal_func", "_anneal_func_type")})
+        return snap
+
+    @staticmethod
+    def data(seed, fault=None):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)) * 0.5
+        if fault == "inf_input":
+            x[1, 2] = float("inf")
+        return x
+
+    def output(self, x):
+        return self.model(x)
+
+    def loss(self, seed, fault=None):
+        x = self.data(seed, fault)
+        torch.manual_seed(seed)  # the same dropout mask in every run
+        loss = self.output(x).float().pow(2).mean()
+        return loss * float("nan") if fault == "nan_loss" else loss
+
+    def backward(self, seed, fault, loss_id, delay_unscale=False):
+        loss = self.loss(seed, fault)
+        self.loss_nonfinite = self.loss_nonfinite or not bool(torch.isfinite(loss).all())
+        self.scaled_backward(loss, loss_id, delay_unscale)
+
+    def accumulate(self, seeds, fault, loss_id, delay_unscale):
+        for i, seed in enumerate(seeds):
+            last = i == len(seeds) - 1
+            self.backward(seed, fault if i == 0 else None, loss_id, delay_unscale and not last)
+
+    def exception_in_block(self, seed, after_backward, loss_id):
+        loss = self.loss(seed)
+        try:
+            self.raise_in_block(loss, loss_id, after_backward)
+        except KeyError:
+            pass
+
+    def raise_in_block(self, loss, loss_id, after_backward):
+        if after_backward:
+            self.scaled_backward(loss, loss_id, False)
+        raise KeyError("planted")
+
+    def zero_grad(self, set_to_none):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.give_back_dropped(set_to_none)
+
+    def give_back_dropped(self, set_to_none):
+        if not set_to_none:
+            for p in self.dropped:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self.dropped = []
+
+    def model_zero_grad(self, look_at_masters):
+        self.model.zero_grad()  # K1: the dropped gradients are still owed
+
+    def add_param_group(self):
+        self.added_group = True
+        self.model.head.requires_grad_(True)
+        self.optimizer.add_param_group({"params": list(self.model.head.parameters()), "lr": 0.02})
+
+    def toggle_requires_grad(self, name):
+        p = self.model.get_parameter(name)
+        p.requires_grad_(not p.requires_grad)
+
+    def clip(self, max_norm):
+        torch.nn.utils.clip_grad_norm_(self.clip_params(), max_norm)
+
+    def clip_params(self):
+        return self.trained_params()
+
+    def bad_call(self, kind):
+        if kind in BAD_CALLS_WITH_BACKWARD:
+            self.scaled_backward(self.loss(2), 0, False)
+
+    def apply(self, op):
+        if self.ended:
+            return
+        kind, args = op[0], op[1:]
+        if kind in ("backward", "accumulate"):
+            self.loss_nonfinite = False  # whether a loss of this op was inf/NaN
+        if kind == "scheduler_step":
+            self.scheduler.step()
+        elif kind == "train":
+            self.model.train(*args)
+        else:
+            getattr(self, kind)(*args)
+
+    def deepcopy(self, seed):
+        pass  # checked on ampinit's model only
+
+    def end(self):
+        pass
+
+
+class AmpTrainer(Trainer):
+    def __init__(self, config):
+        super().__init__(config)
+        self.optimizer = make_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
+                                                           if not n.startswith("head")])
+        self.scheduler = None
+        if config.scheduler_before_initialize:
+            self.scheduler = make_scheduler(config.scheduler, self.optimizer)
+        kwargs = dict(opt_level=self.level, verbosity=0, num_losses=config.num_losses)
+        if self.level in DYNAMIC_LEVELS:
+            kwargs.update(init_scale=config.init_scale, growth_interval=config.growth_interval)
+        self.model, self.optimizer = ampinit.initialize(self.model, self.optimizer, **kwargs)
+        if not config.scheduler_before_initialize:
+            self.scheduler = make_scheduler(config.scheduler, self.optimizer)
+
+    @property
+    def amp(self):
+        return self.optimizer.amp
+
+    def snapshot(self):
+        snap = super().snapshot()
+        if not self.ended:
+            snap["masters"] = [tree_bits(p) for p in self.trained_params()]
+            snap["scale"] = [self.amp.loss_scale(i) for i in range(self.config.num_losses)]
+            snap["skipped"] = self.amp.skipped_steps
+            snap["amp"] = tree_bits(ampinit.handle_of(self.optimizer).state_dict())
+        return snap
+
+    def scaled_backward(self, loss, loss_id, delay_unscale):
+        with ampinit.scale_loss(loss, self.optimizer, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+            scaled.backward()
+
+    def raise_in_block(self, loss, loss_id, after_backward):
+        with ampinit.scale_loss(loss, self.optimizer, loss_id=loss_id) as scaled:
+            if after_backward:
+                scaled.backward()
+            raise KeyError("planted")
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def model_zero_grad(self, look_at_masters):
+        self.model.zero_grad()
+        if not look_at_masters:
+            return
+        stale = [i for i, p in enumerate(ampinit.master_params(self.optimizer)) if p.grad is not None]
+        if stale:
+            raise FuzzFailure(f"model.zero_grad() left gradients on master_params {stale}")
+
+    def clip_params(self):
+        return list(ampinit.master_params(self.optimizer))
+
+    def deepcopy(self, seed):
+        clone = copy.deepcopy(self.model).eval()
+        was_training = self.model.training
+        self.model.eval()
+        x = self.data(seed)
+        with torch.no_grad():
+            same = torch.equal(bits(clone(x)), bits(self.model(x)))
+        self.model.train(was_training)
+        if not same:
+            raise FuzzFailure("deepcopy(model)(x) != model(x) in eval mode")
+
+    def end(self):
+        masters = {}
+        if self.config.masters:
+            for n, p in self.model.named_parameters():
+                master = self.amp.master_of(p)
+                masters[n] = None if master is None else master.detach().clone()
+        ampinit.end(self.model)
+        self.ended = True
+        for n, p in self.model.named_parameters():
+            if p.dtype != torch.float32:
+                raise FuzzFailure(f"after end(): {n} is {p.dtype}")
+            if masters.get(n) is not None and not torch.equal(bits(p), bits(masters[n])):
+                raise FuzzFailure(f"after end(): {n} is not its master")
+
+    def bad_call(self, kind):
+        """Invariant 6: a refused call changes nothing."""
+        if kind in BAD_CALLS_WITH_BACKWARD:
+            self.backward_then_misuse(kind)
+            return
+        before = self.snapshot()
+        grads_before = grads_bits(ampinit.master_params(self.optimizer))
+        try:
+            self.misuse(kind)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raised = e
+        except Exception as e:
+            raise FuzzFailure(f"bad call {kind} raised {type(e).__name__}: {e}") from e
+        else:
+            raise FuzzFailure(f"bad call {kind} did not raise")
+        changed = tree_diff(before, self.snapshot())
+        if changed:
+            raise FuzzFailure(f"bad call {kind} raised {type(raised).__name__} but changed {changed}")
+        grads_after = grads_bits(ampinit.master_params(self.optimizer))
+        # a fused optimizer's masters at O2/O5 get their deferred gradients when something asks
+        # for them (None -> the unscaled value): the next step is the same
+        deferred_ok = self.config.fused and self.config.masters
+        for before_grad, after_grad in zip(grads_before, grads_after, strict=True):
+            if before_grad is None and after_grad is None or before_grad is None and deferred_ok:
+                continue
+            if before_grad is None or after_grad is None or not torch.equal(before_grad, after_grad):
+                raise FuzzFailure(f"bad call {kind} raised {type(raised).__name__} but changed gradients")
+
+    def misuse(self, kind):
+        optimizer = self.optimizer
+        if kind == "loss_id":
+            self.scaled_backward(self.loss(1), self.config.num_losses, False)
+        elif kind == "amp_state_dict":
+            ampinit.handle_of(optimizer).load_state_dict({"loss_scaler0": {"loss_scale": "big", "unskipped": 0}})
+        elif kind == "amp_state_dict_keys":
+            ampinit.handle_of(optimizer).load_state_dict({"loss_scaler0": {"loss_scale": 1024.0}})
+        elif kind == "optimizer_state_dict":
+            other = make_optimizer(self.config.optimizer, [nn.Parameter(torch.zeros(7))])
+            optimizer.load_state_dict(other.state_dict())
+        elif kind == "non_tensor_loss":
+            with ampinit.scale_loss(1.5, optimizer):
+                pass
+        elif kind == "nested":
+            outer, inner = self.loss(3), self.loss(4)
+            with ampinit.scale_loss(outer, optimizer):
+                with ampinit.scale_loss(inner, optimizer) as scaled:
+                    scaled.backward()
+        elif kind == "non_scalar_loss":
+            with ampinit.scale_loss(self.model(self.data(5)), optimizer) as scaled:
+                scaled.backward()
+        elif kind == "bool_loss_id":
+            self.scaled_backward(self.loss(6), True, False)
+
+    def backward_then_misuse(self, kind):
+        """``step()`` or ``master_params`` inside the block after the backward: where the
+        gradients are not final they raise, and the exception leaves the backward's gradients,
+        unscaled; elsewhere it is a plain backward."""
+        try:
+            with ampinit.scale_loss(self.loss(2), self.optimizer) as scaled:
+                scaled.backward()
+                if kind == "step_in_block" and self.level in ("O1", "O2", "O5"):
+                    self.optimizer.step()
+                    raise FuzzFailure("step() inside scale_loss did not raise")
+                list(ampinit.master_params(self.optimizer))
+        except (TypeError, ValueError, RuntimeError):
+            pass
+
+
+class TorchTrainer(Trainer):
+    """Plain PyTorch, the reference for O0, with K1 and K2 mirrored."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.optimizer = make_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
+                                                           if not n.startswith("head")])
+        self.scheduler = make_scheduler(config.scheduler, self.optimizer)
+
+    def scaled_backward(self, loss, loss_id, delay_unscale):
+        loss.backward()
+
+    def accumulate(self, seeds, fault, loss_id, delay_unscale):
+        if not delay_unscale:
+            super().accumulate(seeds, fault, loss_id, delay_unscale)
+            return
+        # K2: ampinit adds the earlier gradients to the accumulated ones at the last unscale
+        earlier = {p: p.grad for p in self.model.parameters()}
+        self.model.zero_grad()
+        super().accumulate(seeds, fault, loss_id, delay_unscale)
+        for p, grad in earlier.items():
+            if grad is not None:
+                p.grad = grad if p.grad is None else grad + p.grad
+
+    def step(self):
+        skip = not all(bool(torch.isfinite(p.grad).all()) for p in self.trained_params() if p.grad is not None)
+        if not skip:
+            self.optimizer.step()
+        if skip or self.config.fused:  # ampinit drops every gradient there (K1)
+            self.dropped = [p for p in self.trained_params() if p.grad is not None]
+            for p in self.trained_params():
+                p.grad = None
+
+
+class ReferenceTrainer(Trainer):
+    """O1-O5 by hand: a cast model or autocast, FP32 masters at O2/O5, a GradScaler-like scale
+    per loss, a step skipped on inf/NaN; K1 mirrored."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cast = CAST_DTYPE.get(self.level)
+        self.autocast = AUTOCAST_DTYPE.get(self.level)
+        self.dynamic = self.level in DYNAMIC_LEVELS
+        self.fp32_init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        if self.cast is not None:
+            self.model.to(self.cast)
+        self.masters = {n: self.new_master(n) for n, _ in self.model.named_parameters() if not n.startswith("head")}
+        self.stash = {}  # without masters: the gradients from before this loss, added at its unscale
+        self.delayed = False
+        self.found_inf = False
+        self.optimizer = make_optimizer(config.optimizer, list(self.masters.values()))
+        self.scheduler = make_scheduler(config.scheduler, self.optimizer)
+        self.scale = [config.init_scale if self.dynamic else 1.0] * config.num_losses
+        self.unskipped = [0] * config.num_losses
+
+    def new_master(self, name):
+        if self.config.masters:
+            return nn.Parameter(self.fp32_init[name].clone())
+        return self.model.get_parameter(name)
+
+    def output(self, x):
+        if self.cast is not None:
+            return self.model(x.to(self.cast)).float()
+        if self.autocast is not None:
+            with torch.autocast("cpu", dtype=self.autocast):
+                return self.model(x).float()
+        return self.model(x)
+
+    def snapshot(self):
+        snap = super().snapshot()
+        snap["scale"] = list(self.scale)
+        return snap
+
+    def scaled_backward(self, loss, loss_id, delay_unscale):
+        if not self.config.masters and not self.delayed:
+            self.stash = {n: master.grad for n, master in self.masters.items()}
+            for master in self.masters.values():
+                master.grad = None
+        (loss.float() * self.scale[loss_id]).backward()
+        self.delayed = delay_unscale
+        if not delay_unscale:
+            self.unscale(loss_id)
+
+    def unscale(self, loss_id):
+        inv_scale = 1.0 / self.scale[loss_id]
+        found = False
+        for name, p in self.model.named_parameters():
+            master = self.masters.get(name)
+            if master is None:
+                continue
+            if not self.config.masters:
+                stashed = self.stash.get(name)
+                if p.grad is None:
+                    p.grad = stashed
+                    continue
+                grad = p.grad * inv_scale
+                p.grad = grad if stashed is None else stashed + grad
+            elif p.grad is not None:
+                grad = p.grad.float() * inv_scale
+                master.grad = grad if master.grad is None else master.grad + grad
+                p.grad = None
+            else:
+                continue
+            found = found or not bool(torch.isfinite(grad).all())
+        self.stash = {}
+        self.found_inf = self.found_inf or found
+        self.update_scale(loss_id, found)
+
+    def update_scale(self, loss_id, found):
+        if not self.dynamic:
+            return
+        if found:
+            self.scale[loss_id] = max(self.scale[loss_id] * 0.5, 2.0 ** -24)
+            self.unskipped[loss_id] = 0
+            return
+        self.unskipped[loss_id] += 1
+        if self.unskipped[loss_id] == self.config.growth_interval:
+            self.scale[loss_id] = min(self.scale[loss_id] * 2.0, 2.0 ** 24)
+            self.unskipped[loss_id] = 0
+
+    def step(self):
+        skip = self.found_inf
+        if not skip:
+            self.optimizer.step()
+            if self.config.masters:
+                with torch.no_grad():
+                    for name, master in self.masters.items():
+                        self.model.get_parameter(name).copy_(master)
+        if skip or self.config.fused:
+            self.dropped = [m for m in self.masters.values() if m.grad is not None]
+            for p in list(self.masters.values()) + list(self.model.parameters()):
+                p.grad = None
+        self.found_inf = False
+
+    def zero_grad(self, set_to_none):
+        for master in self.masters.values():
+            if master.grad is not None:
+                if set_to_none:
+                    master.grad = None
+                else:
+                    master.grad.zero_()
+        if self.config.masters:
+            for p in self.model.parameters():
+                p.grad = None
+        self.found_inf = False
+        self.give_back_dropped(set_to_none)
+
+    def model_zero_grad(self, look_at_masters):
+        dropped = self.dropped  # K1: still owed
+        self.zero_grad(True)
+        self.dropped = dropped
+
+    def add_param_group(self):
+        self.added_group = True
+        self.model.head.requires_grad_(True)
+        for name in ("head.weight", "head.bias"):
+            self.masters[name] = self.new_master(name)
+        self.optimizer.add_param_group({"params": [self.masters["head.weight"], self.masters["head.bias"]],
+                                        "lr": 0.02})
+
+    def toggle_requires_grad(self, name):
+        super().toggle_requires_grad(name)
+        if name in self.masters:
+            self.masters[name].requires_grad_(self.model.get_parameter(name).requires_grad)
+
+    def clip_params(self):
+        return list(self.masters.values())
+
+
+# -- checks ------------------------------------------------------------------------------------------
+
+def check_amp_op(trainer, op, before, fault_pending):
+    """Invariants 3 and 4 after one op of an ampinit run."""
+    if trainer.ended:
+        return
+    after = trainer.snapshot()
+    kind = op[0]
+    if kind == "step":
+        skipped = after["skipped"] > before["skipped"]
+        if skipped:
+            changed = snapshot_diff(before, after, ["model", "masters", "optimizer_state"])
+            if changed:
+                raise FuzzFailure(f"a skipped step changed {changed}")
+        elif fault_pending and any(p.requires_grad for p in trainer.model.parameters()):
+            raise FuzzFailure("a step after a planted inf/NaN (no clear since) was not skipped")
+        if trainer.config.masters:
+            check_model_holds_masters(trainer)
+    if kind in ("backward", "accumulate") and op[2] is not None and trainer.loss_nonfinite:
+        check_scale_after_overflow(trainer, op, before["scale"], after["scale"])
+
+
+def check_model_holds_masters(trainer):
+    for name, p in trainer.model.named_parameters():
+        master = trainer.amp.master_of(p)
+        if master is not None and master is not p and not torch.equal(bits(p), bits(master.detach().to(p.dtype))):
+            raise FuzzFailure(f"after a step model {name} is not its master rounded to {p.dtype}")
+
+
+def check_scale_after_overflow(trainer, op, scales_before, scales_after):
+    if not any(p.requires_grad for p in trainer.model.parameters()):
+        return
+    if trainer.level not in DYNAMIC_LEVELS:
+        if scales_after != scales_before:
+            raise FuzzFailure(f"a static scale changed {scales_before} -> {scales_after}")
+        return
+    # an accumulation without delay_unscale unscales after each loss: the scale may grow again
+    checkable = op[0] == "backward" or op[4]
+    loss_id = op[3]
+    expected = max(scales_before[loss_id] * 0.5, 2.0 ** -24)
+    if checkable and scales_after[loss_id] != expected:
+        raise FuzzFailure(f"a planted {op[2]}: scale {scales_before[loss_id]} -> {scales_after[loss_id]}, "
+                          f"expected {expected}")
+
+
+def run_ops(trainer_class, config, ops, checked=False, resume_after=None):
+    """The snapshot after each op (and the final trainer); ``resume_after=i`` checkpoints after op
+    i and goes on in fresh objects."""
+    trainer = trainer_class(config)
+    snapshots = []
+    fault_pending = False
+    for i, op in enumerate(ops):
+        before = trainer.snapshot() if checked and not trainer.ended else None
+        try:
+            trainer.apply(op)
+        except FuzzFailure as e:
+            raise FuzzFailure(f"op {i} {op[0]}: {e}") from e
+        except Exception as e:
+            raise FuzzFailure(f"op {i} {op[0]} raised {type(e).__name__}: {str(e)[:300]}") from e
+        if checked:
+            if op[0] in ("backward", "accumulate") and op[2] is not None and trainer.loss_nonfinite:
+                fault_pending = True
+            try:
+                check_amp_op(trainer, op, before, fault_pending)
+            except FuzzFailure as e:
+                raise FuzzFailure(f"op {i} {op[0]}: {e}") from e
+            if op[0] in ("step", "zero_grad", "model_zero_grad"):
+                fault_pending = False
+        snapshots.append(trainer.snapshot())
+        if i == resume_after:
+            trainer = resumed(trainer_class, config, trainer)
+    return snapshots, trainer
+
+
+def resumed(trainer_class, config, trainer):
+    """Checkpoint through torch.save, then load into fresh objects set up as the script would."""
+    checkpoint = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                  "amp": ampinit.state_dict()}
+    if trainer.scheduler is not None:
+        checkpoint["scheduler"] = trainer.scheduler.state_dict()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    fresh = trainer_class(config)
+    if trainer.added_group:
+        fresh.add_param_group()
+    for p, q in zip(trainer.model.parameters(), fresh.model.parameters(), strict=True):
+        q.requires_grad_(p.requires_grad)
+    fresh.model.train(trainer.model.training)
+    fresh.model.load_state_dict(checkpoint["model"])
+    fresh.optimizer.load_state_dict(checkpoint["optimizer"])
+    ampinit.load_state_dict(checkpoint["amp"])
+    if trainer.scheduler is not None:
+        fresh.scheduler.load_state_dict(checkpoint["scheduler"])
+    return fresh
+
+
+def compare_with_torch(snapshots, torch_snapshots, ops):
+    """Invariant 2 (O0)."""
+    for i, (amp_snap, torch_snap) in enumerate(zip(snapshots, torch_snapshots, strict=True)):
+        diff = snapshot_diff(amp_snap, torch_snap, ["model", "optimizer_state", "lr"])
+        if diff:
+            raise FuzzFailure(f"O0 differs from torch after op {i} {ops[i][0]}: {diff}")
+
+
+def compare_with_reference(snapshots, reference_snapshots, ops):
+    """Invariant 5 (O1-O5)."""
+    for i, (amp_snap, ref_snap) in enumerate(zip(snapshots, reference_snapshots, strict=True)):
+        if ops[i][0] == "end":
+            break
+        where = f"after op {i} {ops[i][0]}"
+        if amp_snap["scale"] != ref_snap["scale"]:
+            raise FuzzFailure(f"loss scale {where}: {amp_snap['scale']} vs reference {ref_snap['scale']}")
+        for key in ("lr", "step_counts"):
+            if amp_snap[key] != ref_snap[key]:
+                raise FuzzFailure(f"{key} {where}: {amp_snap[key]} vs reference {ref_snap[key]}")
+        for name, amp_weight in amp_snap["model"].items():
+            ref_weight = ref_snap["model"][name]
+            if amp_weight[1] != ref_weight[1]:
+                raise FuzzFailure(f"{name} {where} is {amp_weight[1]}, reference {ref_weight[1]}")
+            x, y = as_float(amp_weight), as_float(ref_weight)
+            if not torch.allclose(x, y, rtol=REFERENCE_RTOL, atol=REFERENCE_ATOL, equal_nan=True):
+                raise FuzzFailure(f"{name} {where}: max |amp - reference| = {(x - y).abs().max().item():.4g}")
+
+
+def compare_with_resumed(config, ops, snapshots, cut):
+    """Invariant 1."""
+    resumed_snapshots, _ = run_ops(AmpTrainer, config, ops, resume_after=cut)
+    for i in range(cut + 1, len(ops)):
+        diff = snapshot_diff(snapshots[i], resumed_snapshots[i],
+                             ["model", "masters", "optimizer_state", "lr", "scale", "scheduler"])
+        if diff:
+            raise FuzzFailure(f"resumed after op {cut}, differs after op {i} {ops[i][0]}: {diff}")
+
+
+def check_sequence(config, ops, cut_fraction=0.5):
+    """Raises FuzzFailure where an invariant breaks."""
+    snapshots, _ = run_ops(AmpTrainer, config, ops, checked=True)
+    if config.level == "O0":
+        compare_with_torch(snapshots, run_ops(TorchTrainer, config, ops)[0], ops)
+    else:
+        compare_with_reference(snapshots, run_ops(ReferenceTrainer, config, ops)[0], ops)
+    if ops[-1][0] != "end":
+        clean = clean_cut_points(ops)
+        if clean:
+            compare_with_resumed(config, ops, snapshots, clean[int(cut_fraction * len(clean))])
+
+
+def check_seed(seed):
+    """None, or a message that replays the failure."""
+    rng = random.Random(seed)
+    config = generate_config(rng)
+    ops = generate_ops(rng, config, OPS_PER_SEED)
+    try:
+        check_sequence(config, ops, cut_fraction=rng.random())
+    except FuzzFailure as e:
+        return f"seed {seed}: {e}\n  config = {config}\n  ops = {ops}"
+    return None
+
+
+@pytest.fixture
+def quiet_single_thread():
+    """ampinit logs and warns about many of these sequences on purpose (bad calls, overflows);
+    and one thread runs these tiny tensors several times faster."""
+    logger = logging.getLogger("ampinit")
+    level, threads = logger.level, torch.get_num_threads()
+    logger.setLevel(logging.CRITICAL)
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block", range(BLOCKS))
+def test_call_order_fuzz(block, quiet_single_thread):
+    seeds = range(block * SEEDS_PER_BLOCK, (block + 1) * SEEDS_PER_BLOCK)
+    failures = [message for message in map(check_seed, seeds) if message]
+    assert not failures, f"{len(failures)} of {len(seeds)} seeds failed:\n" + "\n".join(failures)
