@@ -56,7 +56,7 @@ class _AutocastScope:
         self.device_type = device_type
         self.dtype = dtype
         self.policies = policies
-        self.entered = False  # by the model's forward, or a step under AmpHandle.autocast_step
+        self.entered = False  # by a training forward of the model, or a step under AmpHandle.autocast_step
         self._local = threading.local()
 
     def __getstate__(self) -> dict:
@@ -98,7 +98,8 @@ class _AutocastScope:
                 mode.__exit__(None, None, None)
 
     def enter(self) -> None:
-        self.entered = True
+        if torch.is_grad_enabled():  # a training forward (validation under no_grad does not count)
+            self.entered = True
         if registry.casts_disabled():  # amp.disable_casts() around the call: an FP32 forward
             self._stack().append([])
             return

@@ -710,7 +710,7 @@ class GradientFlow:
                     model.grad = model.grad.detach()
                 model.grad.zero_()
                 self._token(model, model.grad)
-                if master.grad is None:  # its gradient was deferred (a fused optimizer's), cleared below
+                if master in self.deferred:  # its gradient (a fused optimizer's, still on the model) goes below
                     self._owed_zeros.add(master)
         self._stash.clear()
         self.deferred.clear()

@@ -106,7 +106,7 @@ class AmpHandle:
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
         self._autocast_checked = False  # see _check_autocast_reached: logged (or nothing to check)
-        self._autocast_window, self._window_entered = -1, False
+        self._autocast_window, self._window_entered, self._bare_windows = -1, False, 0
         # scale_loss calls so far (a load_state_dict does not rewind it): see frontend._check_one_live
         self.losses_scaled = 0
         self._castings = [ModelCasting(m, device.type, cast_model_type=config.cast_model_type,
@@ -525,13 +525,13 @@ class AmpHandle:
         return self._reported
 
     def _check_autocast_reached(self) -> None:
-        """O1/O4, at each ``scale_loss``: log once if no initialized model ran its forward since
-        the last ``step()`` of this initialization (or, before the first, since ``initialize``):
-        that loss came from code that calls submodules directly (``model.generator(z)``, or a
-        GAN's discriminator step through ``model.discriminator``), which never enters the autocast
-        these levels scope to the model's forward, and computed in FP32.  Several losses of one
-        forward, and a forward in an earlier step's window, are fine; a validation forward does
-        not hide a training step that has none."""
+        """O1/O4, at each ``scale_loss``: log once when this loss and the losses of the step
+        before it came with no training forward (one with gradients on) of an initialized model:
+        code that calls submodules directly (``model.generator(z)``, a GAN's discriminator step
+        through ``model.discriminator``) never enters the autocast these levels scope to the
+        model's forward, and computes in FP32.  Two windows, not one: a forward whose losses are
+        scaled on either side of a step (one optimizer per head) is fine.  No-grad forwards
+        (validation) do not count."""
         if self._autocast_checked:
             return
         scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
@@ -540,16 +540,19 @@ class AmpHandle:
             return
         window = sum(binding.steps for binding in self._bindings)
         if window != self._autocast_window:  # a step since the last scale_loss: a new window
+            if self._autocast_window >= 0:  # the window it closes had losses: with a forward or bare
+                self._bare_windows = 0 if self._window_entered else self._bare_windows + 1
             self._autocast_window = window
             self._window_entered = False
         for scope in scopes:
             self._window_entered = self._window_entered or scope.entered
             scope.entered = False
-        if self._window_entered or torch.is_autocast_enabled(self.device.type):
+        if self._window_entered or self._bare_windows == 0 or torch.is_autocast_enabled(self.device.type):
             return
         self._autocast_checked = True
         logger.warning(
-            "ampinit: %s scaled a loss, but no model given to initialize ran its forward since the last step: the "
+            "ampinit: %s scaled losses in two step windows in a row with no training forward of a model given to "
+            "initialize (none since the step before the last): the "
             "training code called their submodules (or other modules) directly, so nothing ran under the %s "
             "autocast that %s enters in the initialized model's forward, and that forward computed in FP32.  Call "
             "the initialized model itself, or initialize the modules the code calls (amp.initialize([gen, disc], "

@@ -1486,23 +1486,26 @@ class _Gan(nn.Module):
 
 @pytest.mark.parametrize("first", ["validation_forward", "one_step_through_the_model"])
 def test_o1_submodule_training_is_logged_after_a_forward_that_did_enter(first, caplog):
-    """A validation forward (or a step through the model) before submodule-only training must
-    not hide it: the check is per step window (G18).  Two losses of one forward are not logged."""
+    """A validation forward (or steps through the model) before submodule-only training must
+    not hide it: the check is per step window (G18), and no-grad forwards do not count (G19).
+    The two losses of one forward, on either side of a step, are not logged (G19)."""
     model = _Gan()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=1.0)
     z = torch.randn(16, 8)
-    message = "no model given to initialize ran its forward since the last step"
+    message = "with no training forward of a model given to initialize"
     with caplog.at_level("WARNING", logger="ampinit"):
         if first == "validation_forward":
             with torch.no_grad():
                 model(z)
         else:
-            out = model(z)
-            for loss_id in range(2):  # two losses of one forward: not logged
-                with amp.scale_loss(out.float().pow(2).mean() * (loss_id + 1), opt) as scaled:
-                    scaled.backward(retain_graph=loss_id == 0)
-            opt.step()
+            for _ in range(3):  # one forward, its two losses on either side of a step: not logged (G19)
+                out = model(z)
+                for loss_id in range(2):
+                    opt.zero_grad()
+                    with amp.scale_loss(out.float().pow(2).mean() * (loss_id + 1), opt) as scaled:
+                        scaled.backward(retain_graph=loss_id == 0)
+                    opt.step()
             assert message not in caplog.text
         for _ in range(2):
             opt.zero_grad()
@@ -1563,7 +1566,7 @@ def test_o1_o4_training_that_never_calls_the_initialized_model_is_logged(level, 
             opt.step()
             reference(z).pow(2).mean().backward()
             ref_opt.step()
-    logged = caplog.text.count("no model given to initialize ran its forward since the last step")
+    logged = caplog.text.count("with no training forward of a model given to initialize")
     assert logged == (1 if call == "submodules" else 0)
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert same == (call == "submodules")  # the others computed in 16 bits

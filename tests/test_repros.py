@@ -1124,6 +1124,28 @@ def test_model_zero_grad_then_zero_grad_false_leaves_nothing_to_step(level, kind
     assert opt.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("level", [None, "O0", "O2", "O5"])
+def test_a_gradient_cleared_through_param_groups_stays_cleared_at_zero_grad_false(level):
+    """backward, step, ``master.grad = None`` through ``param_groups``, zero_grad(set_to_none=False),
+    step: torch skips that parameter.  G19 found my first fix for the fused optimizers' deferred
+    gradients owing it zeros (any master without a gradient), so SGD stepped it on momentum and
+    weight decay."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    amp_backward(model(torch.randn(8, 4)).float().pow(2).mean(), opt, level)
+    opt.step()
+    weight = opt.param_groups[0]["params"][0]
+    weight.grad = None
+    before = weight.detach().clone()
+    opt.zero_grad(set_to_none=False)
+    assert weight.grad is None
+    opt.step()
+    assert torch.equal(weight, before)
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O5"])
 @pytest.mark.parametrize("kind", ["fused_adam", "fused_sgd"])
 def test_fused_zero_grad_false_after_a_step_without_gradients_still_steps_on_zeros(level, kind):
