@@ -194,8 +194,7 @@ class OptimizerBinding:
                 flow.masters.mark(flow.models())  # the kernel wrote them
         else:
             self.skips_at_floor = 0
-            if flow.masters is not None:
-                flow.masters.copy_to_model([master for _, master in flow.distinct_pairs()])
+            flow.copy_masters_to_model()
         self.steps += 1
         self._end_step()
 

@@ -312,6 +312,12 @@ class GradientFlow:
         if not at_step:  # at step, after the owed zeros (see check_ready_for_step)
             self._forget_overflow_without_gradients()
 
+    def copy_masters_to_model(self) -> None:
+        """Write this optimizer's FP32 masters into their 16-bit model parameters (none without
+        masters)."""
+        if self.masters is not None:
+            self.masters.copy_to_model([master for _, master in self.distinct_pairs()])
+
     def settle_model_clears(self) -> None:
         """Masters whose model parameter's gradient was set to ``None`` since ampinit left it
         there (``model.zero_grad()``, ``p.grad = None``) lose theirs now, as the one tensor of

@@ -105,7 +105,7 @@ class AmpHandle:
         self._warned_unseen_writes = False  # see scale_loss: masters written where no forward check ran
         self._warned_block_writes = False  # see _end_backward: gradients changed inside the block
         self._warned_unmastered = WeakIdKeyDictionary()  # see note_unmastered_parameters
-        self._autocast_checked = False  # see _check_autocast_reached: logged (or nothing to check)
+        self._autocast_checked = False  # see _check_autocast_reached: logged
         self._autocast_window, self._window_entered, self._bare_windows = -1, False, 0
         # scale_loss calls so far (a load_state_dict does not rewind it): see frontend._check_one_live
         self.losses_scaled = 0
@@ -114,6 +114,9 @@ class AmpHandle:
                                        autocast_dtype=config.autocast_dtype,
                                        cast_model_outputs=config.cast_model_outputs)
                           for m in self.models]
+        # the O1/O4 autocast scoped to each model's forward (none at other levels)
+        self._autocast_scopes = [casting.autocast_scope for casting in self._castings
+                                 if casting.autocast_scope is not None]
         self._link = links.HandleLink(self)
         try:
             self._apply()
@@ -532,11 +535,7 @@ class AmpHandle:
         model's forward, and computes in FP32.  Two windows, not one: a forward whose losses are
         scaled on either side of a step (one optimizer per head) is fine.  No-grad forwards
         (validation) do not count."""
-        if self._autocast_checked:
-            return
-        scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
-        if not scopes:
-            self._autocast_checked = True
+        if self._autocast_checked or not self._autocast_scopes:
             return
         window = sum(binding.steps for binding in self._bindings)
         if window != self._autocast_window:  # a step since the last scale_loss: a new window
@@ -544,7 +543,7 @@ class AmpHandle:
                 self._bare_windows = 0 if self._window_entered else self._bare_windows + 1
             self._autocast_window = window
             self._window_entered = False
-        for scope in scopes:
+        for scope in self._autocast_scopes:
             self._window_entered = self._window_entered or scope.entered
             scope.entered = False
         if self._window_entered or self._bare_windows == 0 or torch.is_autocast_enabled(self.device.type):
@@ -567,7 +566,7 @@ class AmpHandle:
         (Lightning's ``forward_context``), for code that calls submodules directly; a no-op at
         other levels."""
         self.check_not_ended()
-        scopes = [casting.autocast_scope for casting in self._castings if casting.autocast_scope is not None]
+        scopes = self._autocast_scopes
         if not scopes:
             yield
             return

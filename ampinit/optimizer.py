@@ -113,8 +113,8 @@ class _AmpOptimizerMixin:
         forward would compute with the old weights).  Without masters (O0, O1, O3, O4) the model's
         parameters are the ones written: nothing to do.  No host sync."""
         binding = binding_of(self)
-        if binding is not None and binding.flow.masters is not None:
-            binding.flow.masters.copy_to_model([master for _, master in binding.flow.distinct_pairs()])
+        if binding is not None:
+            binding.flow.copy_masters_to_model()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and
@@ -123,9 +123,9 @@ class _AmpOptimizerMixin:
         binding = binding_of(self)
         if binding is not None:
             binding.flow.settle_model_clears()
-        if binding is not None and set_to_none:
-            for master in binding.flow.masters_model_of:
-                binding.flow.keep_spare(master)
+            if set_to_none:
+                for master in binding.flow.masters_model_of:
+                    binding.flow.keep_spare(master)
         super().zero_grad(set_to_none=set_to_none)
         if binding is not None:
             binding.flow.zero_grad(set_to_none)
