@@ -252,4 +252,6 @@ def init(enabled: bool = True, *args: Any, **kwargs: Any) -> NoOpHandle:
         "support it.  Replace it with the two lines of the current API:\n"
         "    model, optimizer = amp.initialize(model, optimizer, opt_level=\"O1\")\n"
         "    with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()\n"
-        "(casting a single function: @amp.half_function / amp.register_half_function still work)")
+        "If the script already calls amp.initialize (some call amp.init(allow_banned=True) first, a leftover of "
+        "the legacy API), delete the amp.init line: initialize replaces it.  "
+        "(Casting a single function: @amp.half_function / amp.register_half_function still work.)")

@@ -274,6 +274,9 @@ def test_legacy_init_raises_with_the_replacement():
         ampinit.init(enabled=True)
     with pytest.raises(RuntimeError, match=r"amp.initialize\(model, optimizer"):
         ampinit.init()
+    # E12: scripts that call amp.init(allow_banned=True) before amp.initialize are told to delete it.
+    with pytest.raises(RuntimeError, match=r"delete the amp.init line"):
+        ampinit.init(allow_banned=True)
 
 
 def test_legacy_init_disabled_is_apexs_no_op_handle():
