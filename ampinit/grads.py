@@ -270,10 +270,12 @@ class GradientFlow:
 
     def take_written_in_block(self) -> bool:
         """Whether a gradient :meth:`backward_ended` remembered was changed since, in place or
-        replaced; forgets them, and that a backward reached the block."""
+        replaced; forgets them, and that a backward reached the block.  A gradient cleared to
+        ``None`` is not a change: nothing scaled is left to be misread."""
         sentinels, self._sentinels = self._sentinels, []
         self.backward_reached = False
-        return any(model.grad is not grad or grad._version != version for model, grad, version in sentinels)
+        return any(model.grad is not None and (model.grad is not grad or grad._version != version)
+                   for model, grad, version in sentinels)
 
     def reconcile(self, at_step: bool) -> None:
         """Carry what the user did to distinct pairs' model gradients since the last

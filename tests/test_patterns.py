@@ -138,13 +138,15 @@ def test_master_params_inside_scale_loss_is_right_without_scale_or_masters(level
 
 
 @pytest.mark.parametrize("change", ["clip_model", "divide_last_layer", "replace_first", "none", "second_backward",
-                                    "gradient_penalty"])
+                                    "gradient_penalty", "clear"])
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
 def test_gradients_changed_inside_scale_loss_are_logged_where_still_scaled(level, change, caplog):
     """clip_grad_norm_(model.parameters()) inside the block clips the scaled gradients (O1/O2
     trained 10x off FP32, silently).  A change there is only logged (once): a linear one, such
-    as averaging, is right.  Another backward through the scaled loss is not a change."""
+    as averaging, is right.  Another backward through the scaled loss is not a change, and
+    neither is a clear (``zero_grad()`` in the block): it leaves nothing to step, as in torch."""
     model, opt = setup(level)
+    initial = [p.detach().clone() for p in model.parameters()]
     message = "gradients were changed inside `with ampinit.scale_loss"
     with caplog.at_level("WARNING", logger="ampinit"):
         for index in range(3):
@@ -166,9 +168,13 @@ def test_gradients_changed_inside_scale_loss_are_logged_where_still_scaled(level
                     model[2].bias.grad.div_(2)
                 elif change == "replace_first":
                     model[0].weight.grad = model[0].weight.grad * 0.5
+                elif change == "clear":
+                    opt.zero_grad()
             opt.step()
     changed = change in ("clip_model", "divide_last_layer", "replace_first")
     assert caplog.text.count(message) == (1 if changed and level in ("O1", "O2") else 0)
+    if change == "clear":  # torch: every gradient None at step(), nothing moves
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), initial))
 
 
 @pytest.mark.parametrize("level", LEVELS)
