@@ -106,12 +106,53 @@ def _check_flags_device(op: str, tensors: Tensors, *flags: Optional[torch.Tensor
                              f"device={str(device)!r}")
 
 
+def _check_rows_apart(op: str, lists: Sequence[Tensors], written: Sequence[bool]) -> None:
+    """A tensor the op writes shares no memory with a tensor of another row, as the kernels
+    check (``DenseRows`` in ``csrc/common.h``): the fallback would apply the op twice to one
+    output listed twice, and the kernels' result would depend on thread timing.  Extents sorted
+    by address, only neighbours whose byte ranges meet compared; a strided tensor that does not
+    fill its extent overlaps another only if it is that very view (interleaved views pass, as
+    torch's own test cannot decide them)."""
+    if not any(written):
+        return
+    extents = []
+    for tensors, is_written in zip(lists, written):
+        for row, t in enumerate(tensors):
+            numel = t.numel()
+            if numel == 0:
+                continue
+            if t.is_contiguous():
+                span = numel
+            else:
+                span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            begin = t.data_ptr()
+            extents.append((begin, begin + span * t.element_size(), row, is_written, t, span == numel))
+    extents.sort(key=lambda extent: extent[0])
+    count = len(extents)
+    for a, (begin, end, row, is_written, t, dense) in enumerate(extents):
+        b = a + 1
+        while b < count and extents[b][0] < end:
+            other_begin, _, other_row, other_written, other, other_dense = extents[b]
+            b += 1
+            if other_row == row or not (is_written or other_written):
+                continue
+            same_view = (other_begin == begin and other.shape == t.shape and other.stride() == t.stride()
+                         and other.dtype == t.dtype)
+            if same_view or (dense and other_dense):
+                low, high = sorted((row, other_row))
+                raise RuntimeError(f"ampinit.{op}: tensors {low} and {high} share memory, and the op writes one of "
+                                   "them (the same tensor listed twice, a tied parameter say?); the result would "
+                                   "depend on the order rows run in.  Pass each tensor once")
+
+
 def _check_fallback_rows(op: str, rows: Sequence[Tuple[str, Tensors]],
                          flags: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
-                         per_tensor: Optional[torch.Tensor] = None, masters: Optional[Tensors] = None) -> None:
+                         per_tensor: Optional[torch.Tensor] = None, masters: Optional[Tensors] = None,
+                         written: Sequence[str] = ()) -> None:
     """What the kernels check in C++ before they write anything, for a call the fallback takes
     (no extension, or a float64/complex tensor in the lists): torch's own ops would broadcast a
-    row, ``zip`` would drop one, or an error would come after the first rows were written."""
+    row, ``zip`` would drop one, or an error would come after the first rows were written.
+    ``written`` names the lists the op writes."""
     lengths = [len(tensors) for _, tensors in rows]
     if len(set(lengths)) > 1:
         raise ValueError(f"ampinit.ops.{op}: {' and '.join(name for name, _ in rows)} must have the same length; "
@@ -133,6 +174,7 @@ def _check_fallback_rows(op: str, rows: Sequence[Tuple[str, Tensors]],
                                  f"{tuple(row[0].shape)} and {tuple(tensor.shape)}; each row must have one shape")
         if masters is not None and masters[index].dtype not in (torch.float32, torch.float64):
             raise TypeError(f"ampinit.ops.{op}: master {index} is {masters[index].dtype}; masters are float32")
+    _check_rows_apart(op, [tensors for _, tensors in rows], [name in written for name, _ in rows])
 
 
 # -- complex tensors: their real views -----------------------------------------------------------
@@ -195,7 +237,8 @@ def unscale_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Tensor, found_i
         torch.ops.ampinit.unscale_(list(inputs), list(outputs), inv_scale, found_inf, per_tensor_found_inf)
     else:
         _check_fallback_rows("unscale_", [("inputs", inputs), ("outputs", outputs)],
-                             [("inv_scale", inv_scale), ("found_inf", found_inf)], per_tensor_found_inf)
+                             [("inv_scale", inv_scale), ("found_inf", found_inf)], per_tensor_found_inf,
+                             written=["outputs"])
         _fallback.unscale_(inputs, outputs, inv_scale, found_inf, per_tensor_found_inf)
 
 
@@ -214,7 +257,7 @@ def accumulate_unscaled_(inputs: Tensors, outputs: Tensors, inv_scale: torch.Ten
         torch.ops.ampinit.accumulate_(list(inputs), list(outputs), inv_scale, found_inf, float(out_weight))
     else:
         _check_fallback_rows("accumulate_unscaled_", [("inputs", inputs), ("outputs", outputs)],
-                             [("inv_scale", inv_scale), ("found_inf", found_inf)])
+                             [("inv_scale", inv_scale), ("found_inf", found_inf)], written=["outputs"])
         _fallback.accumulate_unscaled_(inputs, outputs, inv_scale, found_inf, out_weight)
 
 
@@ -246,7 +289,7 @@ def copy_(outputs: Tensors, inputs: Tensors) -> None:
     if kernels:
         torch.ops.ampinit.copy_(list(outputs), list(inputs))
     else:
-        _check_fallback_rows("copy_", [("outputs", outputs), ("inputs", inputs)])
+        _check_fallback_rows("copy_", [("outputs", outputs), ("inputs", inputs)], written=["outputs"])
         _fallback.copy_(outputs, inputs)
 
 
@@ -264,7 +307,8 @@ def adopt_changes_(masters: Tensors, models: Tensors, only: Optional[torch.Tenso
     if kernels:
         torch.ops.ampinit.adopt_changes_(list(masters), list(models), only)
     else:
-        _check_fallback_rows("adopt_changes_", [("masters", masters), ("models", models)], masters=masters)
+        _check_fallback_rows("adopt_changes_", [("masters", masters), ("models", models)], masters=masters,
+                             written=["masters"])
         _fallback.adopt_changes_(masters, models, only)
 
 
@@ -358,6 +402,8 @@ def fused_adam_(params: List[torch.Tensor], grads: Tensors, exp_avgs: Tensors, e
                                       float(weight_decay), bool(decoupled_weight_decay), bool(bias_correction),
                                       inv_scale, found_inf, hyper, bool(stochastic_state_rounding))
     else:
+        _check_rows_apart("fused_adam_", [params, grads, exp_avgs, exp_avg_sqs, model_params],
+                          [True, False, True, True, True])
         _fallback.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, model_params, lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=weight_decay,
                               decoupled_weight_decay=decoupled_weight_decay, bias_correction=bias_correction,
@@ -391,6 +437,7 @@ def fused_sgd_(params: List[torch.Tensor], grads: Tensors, momentum_buffers: Ten
                                      float(weight_decay),
                                      bool(nesterov), inv_scale, found_inf, list(new_buffer_flags), hyper)
     else:
+        _check_rows_apart("fused_sgd_", [params, grads, momentum_buffers, model_params], [True, False, True, True])
         _fallback.fused_sgd_(params, grads, momentum_buffers, steps, model_params, lr=lr, momentum=momentum,
                              dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                              inv_scale=inv_scale, found_inf=found_inf, new_buffer_flags=new_buffer_flags,

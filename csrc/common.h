@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <utility>
 #include <unordered_set>
@@ -61,9 +63,10 @@ inline void check_master_row(const char* op, size_t index, const at::Tensor& mod
 class DenseRows {
  public:
   // lists[l][i]: tensor i of list l; written[l]: whether the op writes list l.
-  DenseRows(std::vector<std::vector<at::Tensor>> lists, std::vector<bool> written)
+  DenseRows(const char* op, std::vector<std::vector<at::Tensor>> lists, std::vector<bool> written)
       : lists_(std::move(lists)) {
     const size_t rows = lists_.empty() ? 0 : lists_[0].size();
+    check_rows_apart(op, written);
     // A written tensor is the row's other tensor itself (in place) or apart from it, as torch's
     // in-place ops require: a view shifted by one element, or an expanded output, would read
     // values the same pass has already written.  Checked for every row before any is written.
@@ -106,6 +109,51 @@ class DenseRows {
   }
 
  private:
+  // A tensor the op writes shares no memory with a tensor of another row.  Rows run in
+  // parallel chunks, so one output listed twice (a tied parameter passed twice), or a row
+  // reading what another row writes, gives a result that depends on thread timing; the
+  // fallback would apply the op twice.  Extents are sorted by address and only neighbours whose
+  // byte ranges meet are compared, with torch's own test (interleaved strided views, which it
+  // cannot decide, pass, unless they are one view).
+  void check_rows_apart(const char* op, const std::vector<bool>& written) const {
+    struct Extent {
+      uintptr_t begin, end;
+      size_t list, row;
+    };
+    std::vector<Extent> extents;
+    bool writes = false;
+    for (size_t l = 0; l < lists_.size(); ++l) writes = writes || written[l];
+    if (!writes) return;
+    for (size_t l = 0; l < lists_.size(); ++l) {
+      for (size_t i = 0; i < lists_[l].size(); ++i) {
+        const at::Tensor& t = lists_[l][i];
+        if (t.numel() == 0) continue;
+        int64_t last = 0;  // the farthest element from the first, in elements (strides are >= 0)
+        for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+        const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+        extents.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), l, i});
+      }
+    }
+    std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+    for (size_t a = 0; a < extents.size(); ++a) {
+      for (size_t b = a + 1; b < extents.size() && extents[b].begin < extents[a].end; ++b) {
+        const Extent& x = extents[a];
+        const Extent& y = extents[b];
+        if (x.row == y.row || !(written[x.list] || written[y.list])) continue;
+        const at::Tensor& t = lists_[x.list][x.row];
+        const at::Tensor& u = lists_[y.list][y.row];
+        const auto status = at::get_overlap_status(t, u);
+        const bool same_view = x.begin == y.begin && t.sizes() == u.sizes() && t.strides() == u.strides() &&
+                               t.scalar_type() == u.scalar_type();
+        TORCH_CHECK(!same_view && status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+                    "ampinit.", op, ": tensors ", std::min(x.row, y.row), " and ", std::max(x.row, y.row),
+                    " share memory, and the op writes one of them (the same tensor listed twice, a tied "
+                    "parameter say?); rows run in parallel, so the result would depend on timing.  Pass each "
+                    "tensor once");
+      }
+    }
+  }
+
   std::vector<std::vector<at::Tensor>> lists_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };

@@ -528,10 +528,29 @@ def _bad_calls(device):
         ("output shifted over its input", lambda: ops.unscale_([shared[:16]], [shared[1:17]], half, found),
          [shared, found]),
         ("expanded output", lambda: ops.copy_([torch.zeros(1, device=device).expand(4)], [ones]), []),
+        # two rows writing one output (a tied parameter listed twice): the fallback applied the
+        # op twice, the kernels raced
+        ("one output twice", lambda: ops.unscale_([ones, inf4], [y0, y0], half, found), [y0, found]),
+        ("one output twice in place", lambda: ops.unscale_([y1, y1], [y1, y1], half, found), [y1, found]),
+        ("a row reads what another writes", lambda: ops.copy_([y0, y1], [y1, ones]), [y0, y1]),
+        ("overlapping outputs", lambda: ops.accumulate_unscaled_([ones, ones], [shared[:4], shared[2:6]], half,
+                                                                 found), [shared, found]),
+        ("one strided view twice", lambda: ops.copy_([shared[::2], shared[::2]], [shared[1::2], shared[1::2]]),
+         [shared]),
+        ("one master twice", lambda: ops.adopt_changes_([y0, y0], [ones.half(), inf4.half()]), [y0]),
+        ("one param twice, adam", lambda: ops.fused_adam_(
+            [y0, y0], [ones, ones], [y1, torch.zeros(4, device=device)], [d0.float(), torch.zeros(4, device=device)],
+            [torch.zeros(1, device=device), torch.zeros(1, device=device)], [], lr=0.1, beta1=0.9, beta2=0.99,
+            eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, bias_correction=True,
+            inv_scale=half, found_inf=found), [y0, y1]),
+        ("one param twice, sgd", lambda: ops.fused_sgd_(
+            [y1, y1], [ones, inf4], [], [torch.zeros(1, device=device), torch.zeros(1, device=device)], [], lr=0.1,
+            momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, inv_scale=half, found_inf=found),
+         [y1]),
     ]
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(21))
 def test_bad_rows_are_refused_before_anything_is_written(case, device):
     """From a fuzzing review: the fallback (no extension, or any call holding a float64 or complex
     row) checked nothing: ``zip`` dropped a row, a (1,) row broadcast into a (4,) one, an integer
@@ -540,10 +559,37 @@ def test_bad_rows_are_refused_before_anything_is_written(case, device):
     left 0) and took an output shifted one element over its input (every 16th value wrong)."""
     name, call, untouched = _bad_calls(device)[case]
     before = [t.clone() for t in untouched]
-    with pytest.raises((RuntimeError, ValueError, TypeError)):
+    with pytest.raises((RuntimeError, ValueError, TypeError)) as raised:
         call()
     for was, now in zip(before, untouched):
         assert torch.equal(was, now), name
+    if "twice" in name or "another writes" in name or "overlapping" in name:
+        assert "share memory" in str(raised.value), (name, raised.value)
+
+
+def test_bad_calls_are_all_run():
+    assert len(_bad_calls(torch.device("cpu"))) == 21
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_that_share_memory_only_to_read_or_apart_are_accepted(dtype, device):
+    """What the check for rows sharing memory must let through: one input read by two rows,
+    adjacent views of one buffer (DDP's gradient bucket), interleaved strided views (float64:
+    the fallback's check)."""
+    bucket = torch.arange(1.0, 13.0, dtype=dtype, device=device)
+    found, inv = torch.zeros(1, device=device), torch.full((1,), 0.5, device=device)
+    ops.check_finite_([bucket, bucket], found)
+    views = [bucket[0:4], bucket[4:8], bucket[8:12]]
+    ops.unscale_(views, views, inv, found)
+    torch.testing.assert_close(bucket, torch.arange(1.0, 13.0, dtype=dtype, device=device) * 0.5)
+    grid = torch.zeros(4, 6, dtype=dtype, device=device)
+    source = torch.ones(4, 3, dtype=dtype, device=device)
+    ops.copy_([grid[:, 0::2], grid[:, 1::2]], [source, 2 * source])
+    assert grid[:, 0::2].eq(1).all() and grid[:, 1::2].eq(2).all()
+    same = torch.ones(4, dtype=dtype, device=device)
+    out = torch.zeros(2, 4, dtype=dtype, device=device)
+    ops.accumulate_unscaled_([same, same], [out[0], out[1]], inv, found)
+    assert out.eq(0.5).all() and found.item() == 0.0
 
 
 @pytest.mark.parametrize("n", [1, 17, 16])

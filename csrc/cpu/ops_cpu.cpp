@@ -98,7 +98,7 @@ void unscale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& i
   check_flag("unscale_", "found_inf", found_inf, at::kCPU);
   check_per_tensor("unscale_", per_tensor, inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) check_row("unscale_", i, {inputs[i], outputs[i]}, at::kCPU);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("unscale_", {inputs.vec(), outputs.vec()}, {false, true});
   const auto& in = rows.list(0);
   const auto& out = rows.list(1);
   const float inv = inv_scale.data_ptr<float>()[0];
@@ -117,7 +117,7 @@ void accumulate_(at::TensorList inputs, at::TensorList outputs, const at::Tensor
   check_flag("accumulate_", "inv_scale", inv_scale, at::kCPU);
   check_flag("accumulate_", "found_inf", found_inf, at::kCPU);
   for (size_t i = 0; i < inputs.size(); ++i) check_row("accumulate_", i, {inputs[i], outputs[i]}, at::kCPU);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("accumulate_", {inputs.vec(), outputs.vec()}, {false, true});
   const auto& in = rows.list(0);
   const auto& out = rows.list(1);
   const float inv = inv_scale.data_ptr<float>()[0];
@@ -133,7 +133,7 @@ void accumulate_(at::TensorList inputs, at::TensorList outputs, const at::Tensor
 void copy_(at::TensorList outputs, at::TensorList inputs) {
   check_same_length("copy_", "outputs", outputs.size(), "inputs", inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) check_row("copy_", i, {inputs[i], outputs[i]}, at::kCPU);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("copy_", {inputs.vec(), outputs.vec()}, {false, true});
   const auto& in = rows.list(0);
   const auto& out = rows.list(1);
   const auto& k = kernels();
@@ -149,7 +149,7 @@ void adopt_changes_(at::TensorList masters, at::TensorList models, const std::op
   check_same_length("adopt_changes_", "masters", masters.size(), "models", models.size());
   check_per_tensor("adopt_changes_", only, models.size());
   for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], at::kCPU);
-  DenseRows rows({models.vec(), masters.vec()}, {false, true});
+  DenseRows rows("adopt_changes_", {models.vec(), masters.vec()}, {false, true});
   const auto& model = rows.list(0);
   const auto& master = rows.list(1);
   const float* selected = only ? only->data_ptr<float>() : nullptr;
@@ -188,7 +188,7 @@ void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std
   check_flag("check_finite_", "found_inf", found_inf, at::kCPU);
   check_per_tensor("check_finite_", per_tensor, inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) check_row("check_finite_", i, {inputs[i]}, at::kCPU);
-  DenseRows rows({inputs.vec()}, {false});
+  DenseRows rows("check_finite_", {inputs.vec()}, {false});
   const auto& in = rows.list(0);
   const auto& k = kernels();
   const auto bad = for_each_chunk(in, [&](const Chunk& c) {
@@ -199,7 +199,7 @@ void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std
 
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList inputs, bool per_tensor) {
   for (size_t i = 0; i < inputs.size(); ++i) check_row("l2norm", i, {inputs[i]}, at::kCPU);
-  DenseRows rows({inputs.vec()}, {false});
+  DenseRows rows("l2norm", {inputs.vec()}, {false});
   const auto& in = rows.list(0);
   const auto chunks = chunks_of(in);
   std::vector<double> partial(chunks.size(), 0.0);
@@ -296,7 +296,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
     lists.push_back(models.vec());
     written.push_back(true);
   }
-  DenseRows rows(std::move(lists), std::move(written));
+  DenseRows rows("fused_adam_", std::move(lists), std::move(written));
   std::vector<AdamParams> per_tensor(params.size());
   for (size_t t = 0; t < params.size(); ++t) {
     float& step = steps[t].data_ptr<float>()[0];
@@ -359,7 +359,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
     lists.push_back(models.vec());
     written.push_back(true);
   }
-  DenseRows rows(std::move(lists), std::move(written));
+  DenseRows rows("fused_sgd_", std::move(lists), std::move(written));
   std::vector<SgdParams> per_tensor(params.size());
   for (size_t t = 0; t < params.size(); ++t) {
     steps[t].data_ptr<float>()[0] += 1.0f;

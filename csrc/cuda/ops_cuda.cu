@@ -348,7 +348,7 @@ void unscale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& i
   float* flags = optional_flags("unscale_", per_tensor, inputs.size(), device);
   for (size_t i = 0; i < inputs.size(); ++i) check_row("unscale_", i, {inputs[i], outputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("unscale_", {inputs.vec(), outputs.vec()}, {false, true});
   launch_pairs<UnscaleFunctor>({rows.list(0), rows.list(1)}, inv_scale.data_ptr<float>(),
                                found_inf.data_ptr<float>(), flags);
   rows.finish();
@@ -362,7 +362,7 @@ void accumulate_(at::TensorList inputs, at::TensorList outputs, const at::Tensor
   check_flag("accumulate_", "found_inf", found_inf, device);
   for (size_t i = 0; i < inputs.size(); ++i) check_row("accumulate_", i, {inputs[i], outputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("accumulate_", {inputs.vec(), outputs.vec()}, {false, true});
   launch_pairs<AccumulateFunctor>({rows.list(0), rows.list(1)}, inv_scale.data_ptr<float>(),
                                   found_inf.data_ptr<float>(), static_cast<float>(out_weight));
   rows.finish();
@@ -374,7 +374,7 @@ void copy_(at::TensorList outputs, at::TensorList inputs) {
   const at::Device device = cuda_device_of("copy_", {inputs, outputs});
   for (size_t i = 0; i < inputs.size(); ++i) check_row("copy_", i, {inputs[i], outputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec(), outputs.vec()}, {false, true});
+  DenseRows rows("copy_", {inputs.vec(), outputs.vec()}, {false, true});
   launch_pairs<CopyFunctor>({rows.list(0), rows.list(1)});
   rows.finish();
 }
@@ -386,7 +386,7 @@ void adopt_changes_(at::TensorList masters, at::TensorList models, const std::op
   const float* selected = optional_flags("adopt_changes_", only, models.size(), device);
   for (size_t i = 0; i < models.size(); ++i) check_master_row("adopt_changes_", i, models[i], masters[i], device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({models.vec(), masters.vec()}, {false, true});
+  DenseRows rows("adopt_changes_", {models.vec(), masters.vec()}, {false, true});
   launch_pairs<AdoptFunctor>({rows.list(0), rows.list(1)}, selected);
   rows.finish();
 }
@@ -397,7 +397,7 @@ void check_finite_(at::TensorList inputs, const at::Tensor& found_inf, const std
   float* flags = optional_flags("check_finite_", per_tensor, inputs.size(), device);
   for (size_t i = 0; i < inputs.size(); ++i) check_row("check_finite_", i, {inputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec()}, {false});
+  DenseRows rows("check_finite_", {inputs.vec()}, {false});
   const std::vector<std::vector<at::Tensor>> lists = {rows.list(0)};
   for (const auto& group : group_by_dtypes(lists)) {
     const auto sub = select(lists, group);
@@ -412,7 +412,7 @@ at::Tensor fingerprint(at::TensorList inputs) {
   const at::Device device = cuda_device_of("fingerprint", {inputs});
   for (size_t i = 0; i < inputs.size(); ++i) check_row("fingerprint", i, {inputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec()}, {false});  // dense tensors in memory order, others as their copy
+  DenseRows rows("fingerprint", {inputs.vec()}, {false});  // dense tensors in memory order, others as their copy
   const std::vector<std::vector<at::Tensor>> lists = {rows.list(0)};
   const auto options = at::TensorOptions().dtype(at::kInt).device(device);
   at::Tensor sums = at::zeros({static_cast<int64_t>(inputs.size())}, options);
@@ -431,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList inputs, bool per_tensor
   const at::Device device = cuda_device_of("l2norm", {inputs});
   for (size_t i = 0; i < inputs.size(); ++i) check_row("l2norm", i, {inputs[i]}, device);
   const c10::cuda::CUDAGuard guard(device);
-  DenseRows rows({inputs.vec()}, {false});
+  DenseRows rows("l2norm", {inputs.vec()}, {false});
   const std::vector<std::vector<at::Tensor>> lists = {rows.list(0)};
   const auto& in = lists[0];
   // Partial sums are laid out group by group, tensor by tensor within a group, in launch

@@ -505,7 +505,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
     lists.push_back(models.vec());
     written.push_back(true);
   }
-  DenseRows rows(lists, written);  // may copy (and raise) before anything is launched
+  DenseRows rows("fused_adam_", lists, written);  // may copy (and raise) before anything is launched
   Prepared call;
   for (size_t l = 0; l < lists.size(); ++l) call.lists.push_back(rows.list(l));
   append_remainders(call, remainders, ties);
@@ -556,7 +556,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
     lists.push_back(models.vec());
     written.push_back(true);
   }
-  DenseRows rows(lists, written);
+  DenseRows rows("fused_sgd_", lists, written);
   Prepared call;
   for (size_t l = 0; l < lists.size(); ++l) call.lists.push_back(rows.list(l));
   append_remainders(call, remainders, ties);
