@@ -277,6 +277,18 @@ class OptimizerBinding:
             return []
         return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
 
+    def nonfinite_weight_names(self) -> List[str]:
+        """Names of the parameters whose weights (the masters, where there are masters) hold
+        inf/NaN.  One pass and one sync: called only when raising."""
+        names, flags = [], []
+        for model, master in self.flow.pairs():
+            weight = distributed.local(master.detach())
+            names.append(self.handle.param_name(model))
+            flags.append(torch.logical_not(torch.isfinite(weight).all()))
+        if not flags:
+            return []
+        return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
+
     def _flags_on_host(self):
         """This step's found_inf and per-tensor flags, copied to the host without waiting.  The
         event is recorded on the stream of the flags' device, which the copy is queued on."""
@@ -343,6 +355,13 @@ class OptimizerBinding:
             cause = ("these gradients are not overflowing, they are inf/NaN at any scale, which points at a bug "
                      "(NaN in the data, the loss or the model) or at state that keeps a skipped step's inf/NaN (a "
                      "DDP communication hook with memory, such as PowerSGD's error feedback)")
+        broken = self.nonfinite_weight_names()
+        if broken:  # skipped steps never write the weights: something else did (E13: a foreign optimizer)
+            cause = (f"the weights themselves hold inf/NaN ({', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}"
+                     "), so every gradient through them does, at any scale.  ampinit's skipped steps leave the weights "
+                     "as they were: something else wrote them, most often an optimizer that was not passed to "
+                     "ampinit.initialize stepping on the scaled gradients (pass every optimizer to initialize), or a "
+                     "write through .data or load_state_dict.  Restore them from a checkpoint")
         return (f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped with the loss scale "
                 f"at its floor: {cause}.  Non-finite gradients in: {where}.  To allow more such steps, set "
                 "optimizer.amp.max_skips_at_floor (None disables this check)")

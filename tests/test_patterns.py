@@ -341,6 +341,37 @@ def test_overflow_at_a_floor_set_too_high_names_the_floor(level):
         assert (opt.amp.skipped_steps >= 16) == raises
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("cause", ["inf_weight", "nan_input"])
+def test_persistent_overflow_from_broken_weights_says_so(level, cause):
+    """amazon-science/transformer-gan (E13) steps the generator with an optimizer it never
+    passed to initialize, on the scaled gradients: the weights became inf, every later step
+    was skipped, and the error blamed NaN in the data or a DDP hook.  It now names the inf/NaN
+    weights and the likely writer; a NaN in the data still gets the data message."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x = torch.ones(8, 4)
+    if cause == "inf_weight":  # what the foreign optimizer left
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("inf")
+    else:
+        x[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="consecutive steps") as raised:
+        for _ in range(60):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    message = str(raised.value)
+    if cause == "inf_weight":
+        assert "weights themselves hold inf/NaN (0.weight)" in message, message
+        assert "not passed to ampinit.initialize" in message
+    else:
+        assert "weights themselves" not in message and "NaN in the data" in message, message
+
+
 def test_persistent_nan_check_can_be_disabled():
     model, opt = setup("O5")
     opt.amp.max_skips_at_floor = None
