@@ -30,6 +30,11 @@ __all__ = ["amp_optimizer_class", "binding_of", "inner_optimizer", "attach", "de
 _BINDING_ATTR = "_ampinit_binding"
 _ENDED_ATTR = "_ampinit_ended"
 _WRAPPED_ATTRS = ("optim", "optimizer", "_optimizer")
+_APEX_BACKWARD_HALVES = (
+    "apex's private optimizer.{name}() (one half of apex's own scale_loss, which hand-written scale_loss "
+    "context managers call) is not provided by ampinit: its gradients, masters and overflow check work "
+    "differently.  Replace the hand-written context manager with ampinit's: `with amp.scale_loss(loss, "
+    "optimizer, loss_id=...) as scaled_loss: scaled_loss.backward()`")
 
 
 def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
@@ -115,6 +120,17 @@ class _AmpOptimizerMixin:
         binding = binding_of(self)
         if binding is not None:
             binding.flow.copy_masters_to_model()
+
+    # apex's two halves of its scale_loss, which hand-written scale_loss copies call (E13: at
+    # least six public files).  Not emulated: ampinit's gradients, masters and overflow check
+    # work differently.  Properties raising AttributeError: hasattr stays False, a call says why.
+    @property
+    def _prepare_amp_backward(self) -> Any:
+        raise AttributeError(_APEX_BACKWARD_HALVES.format(name="_prepare_amp_backward"))
+
+    @property
+    def _post_amp_backward(self) -> Any:
+        raise AttributeError(_APEX_BACKWARD_HALVES.format(name="_post_amp_backward"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and

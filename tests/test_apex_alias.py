@@ -418,3 +418,16 @@ def test_alias_logging_is_quiet_by_default(caplog, alias):
     with caplog.at_level(logging.INFO, logger="ampinit"):
         ampinit.install_apex_alias()
     assert not caplog.records
+
+
+@pytest.mark.parametrize("name", ["_prepare_amp_backward", "_post_amp_backward"])
+def test_apex_backward_halves_say_to_use_scale_loss(name):
+    """E13: hand-written ``scale_loss`` copies (six public files) call apex's private halves of
+    its ``scale_loss``; they got a bare AttributeError.  The error now names the replacement;
+    ``hasattr`` stays False, as for any optimizer apex did not process."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampinit.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert not hasattr(opt, name)
+    with pytest.raises(AttributeError, match=r"with amp.scale_loss\(loss"):
+        getattr(opt, name)()
