@@ -121,8 +121,15 @@ class OptimizerBinding:
             self.resolve_fused_steps(wait=False)
             return True
         if read_overflow and values[0]:
-            self.skip_step()
-            return False
+            names = self.nonfinite_param_names(as_read=True)
+            if names or self.handle._shard_groups:
+                self.skip_step(names)
+                return False
+            # Every inf/NaN the flag saw was cleared by the user since (p.grad.zero_(), a master's
+            # gradient set to None): what the update reads is finite, and torch.amp's GradScaler,
+            # which checks at the step, would take it (G20).  Not for sharded parameters, where
+            # each rank sees only its shard and ranks must agree.
+            flow.forget_overflow()
         return True
 
     def _nonfinite_grads_flag(self) -> torch.Tensor:
@@ -198,10 +205,12 @@ class OptimizerBinding:
         self.steps += 1
         self._end_step()
 
-    def skip_step(self) -> None:
-        """Skip this step: record which parameters overflowed, drop every gradient, and
-        raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
-        names = self.nonfinite_param_names()
+    def skip_step(self, names: Optional[List[str]] = None) -> None:
+        """Skip this step: record which parameters overflowed (``names``, if known), drop every
+        gradient, and raise if the overflow persists at the scale floor (a NaN bug, not an
+        overflow)."""
+        if names is None:
+            names = self.nonfinite_param_names()
         loss_ids = set(self.loss_ids_since_step)
         step = self.steps
         self.steps += 1
@@ -261,12 +270,15 @@ class OptimizerBinding:
         self.finish_step()
 
     # -- diagnostics ------------------------------------------------------------------------------
-    def nonfinite_param_names(self) -> List[str]:
+    def nonfinite_param_names(self, as_read: bool = False) -> List[str]:
         """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
-        over the gradients and one sync: called only when a step is skipped."""
+        over the gradients and one sync: called only when a step is skipped.  ``as_read``: only
+        the gradients the update reads (a master's, where its model's gradient is a token left
+        by scale_loss, which the user may have cleared on the master alone)."""
         names, flags = [], []
+        tokens_only = as_read and self.flow.pending is None and not self.flow.fused
         for model, master in self.flow.pairs():
-            grad = master.grad if master.grad is not None else model.grad
+            grad = master.grad if master.grad is not None or tokens_only else model.grad
             if grad is None:
                 continue
             grad = distributed.local(grad)  # FSDP2: this rank's shard

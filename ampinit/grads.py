@@ -478,6 +478,10 @@ class GradientFlow:
                        "masters add them in FP32; pass delay_unscale=True to all but the last scale_loss of the "
                        "step to add them in the backward instead, as FP32 masters would bit for bit")
 
+    def forget_overflow(self) -> None:
+        """The step's overflow flag and records, dropped: the user cleared every inf/NaN."""
+        self._forget_overflow()
+
     def _forget_overflow(self) -> None:
         self.found_inf.zero_()
         self.unscaled_since_step = False

@@ -42,7 +42,11 @@ README documents under "Gradients behave as in PyTorch", and nothing else:
   only after a clear).
 
 A failure names the seed, the configuration and the operations: ``check_sequence(config, ops)``
-replays them. 600 seeds of about 19 operations each run in under a minute on two cores.
+replays them (``check_round2(config, ops)`` for the round-2 sequences at the end of this file: clears
+on the optimizer's side and partial ones, gradients assigned by hand, mid-sequence checkpoints
+loaded with ``weights_only=True``, exact moved-parameter and optimizer-state checks, torch's own
+optimizers as the O0 reference of the fused ones; G20's findings are pinned there as strict xfails).
+600 seeds of about 19 operations each run in under a minute on two cores.
 """
 import copy
 import dataclasses
@@ -980,3 +984,497 @@ def test_call_order_fuzz(block, quiet_single_thread):
     seeds = range(block * SEEDS_PER_BLOCK, (block + 1) * SEEDS_PER_BLOCK)
     failures = [message for message in map(check_seed, seeds) if message]
     assert not failures, f"{len(failures)} of {len(seeds)} seeds failed:\n" + "\n".join(failures)
+
+
+# -- round 2 (G20): clears on the optimizer's side, partial clears, gradients assigned by hand,
+# mid-sequence checkpoints, exact "which parameters moved" and optimizer-state presence, torch's own
+# optimizers as the O0 reference of the fused ones -------------------------------------------------
+#
+# Ops added to the sequences: ``opt_clear`` (``p.grad = None`` on some or all of
+# ``optimizer.param_groups``), ``master_zero`` (``p.grad.zero_()`` / ``p.grad = torch.zeros_like(p)``
+# on ``amp.master_params``), ``set_grad`` (``p.grad = g`` by hand), ``model_clear`` (``p.grad = None``
+# on some of the model's parameters), ``checkpoint`` (model, optimizer and amp state through
+# ``torch.save``/``torch.load(weights_only=True)`` into fresh objects, at any point: gradients present,
+# an overflow pending) and extra ``step``s. Invariants added: after every op, which parameters moved
+# and which optimizer state exists are exactly the reference's (SGD has no step count), and the
+# momentum / moments are within the tolerance (bit-equal at O0 with torch's optimizers); at O0 the
+# fused optimizers are compared with torch.optim.Adam/SGD. The sequences keep out what G20 found
+# (R1-R8, pinned by the xfail tests below): ``mirror_known``.
+
+TOL_RTOL, TOL_ATOL = 1e-2, 2e-3
+MIRROR = True
+FUSED_O0_RTOL, FUSED_O0_ATOL = 1e-4, 1e-6
+
+
+def torch_optimizer(kind, params):
+    if kind == "fused_adam":
+        return torch.optim.Adam(params, lr=0.01, eps=1e-3)
+    if kind == "fused_sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return make_optimizer(kind, params)
+
+
+def hand_grad(seed, i, p):
+    g = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)) * 0.1
+    return g.to(p.dtype)
+
+
+class NewOps:
+    """Mixed into the three trainers."""
+
+    def opt_side(self):
+        return self.trained_params()
+
+    def zero_side(self):
+        return self.trained_params()
+
+    def forget_debt(self, p):
+        self.dropped = [q for q in self.dropped if q is not p]
+
+    def opt_clear(self, mask):
+        for i, p in enumerate(self.opt_side()):
+            if mask >> i & 1:
+                p.grad = None
+                self.forget_debt(p)
+
+    def master_zero(self, mask, style):
+        for i, p in enumerate(self.zero_side()):
+            if mask >> i & 1:
+                if style == "zero_":
+                    if p.grad is not None:
+                        p.grad.zero_()
+                else:
+                    p.grad = torch.zeros_like(p)
+
+    def set_grad(self, mask, seed):
+        side = self.zero_side() if self.config.masters and MIRROR else self.opt_side()
+        for i, p in enumerate(side):
+            if mask >> i & 1:
+                p.grad = hand_grad(seed, i, p)
+
+    def model_clear(self, mask):
+        for i, (n, p) in enumerate(self.model.named_parameters()):
+            if mask >> i & 1:
+                p.grad = None
+                self.model_cleared(n)
+
+    def model_cleared(self, name):
+        pass
+
+    def snapshot(self):
+        snap = super().snapshot()
+        snap["weights"] = [tree_bits(p) for p in self.trained_params()]
+        state = self.optimizer.state_dict()["state"]
+        snap["momentum"] = {}
+        for i, st in state.items():
+            if "step" in st and never_applied(st):
+                continue
+            for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+                if key in st:
+                    v = st[key]
+                    snap["momentum"][f"{i}/{key}"] = None if v is None else tree_bits(v.detach().float())
+        return snap
+
+
+class Amp2(NewOps, AmpTrainer):
+    def zero_side(self):
+        return list(ampinit.master_params(self.optimizer))
+
+    def fresh(self):
+        ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "amp": ampinit.handle_of(self.optimizer).state_dict()}
+        if self.scheduler is not None:
+            ckpt["scheduler"] = self.scheduler.state_dict()
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
+        new = type(self)(self.config)
+        if self.added_group:
+            new.add_param_group()
+        for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
+            q.requires_grad_(p.requires_grad)
+        new.model.train(self.model.training)
+        new.model.load_state_dict(ckpt["model"])
+        new.optimizer.load_state_dict(ckpt["optimizer"])
+        ampinit.handle_of(new.optimizer).load_state_dict(ckpt["amp"])
+        if self.scheduler is not None:
+            new.scheduler.load_state_dict(ckpt["scheduler"])
+        return new
+
+
+class Torch2(NewOps, TorchTrainer):
+    def __init__(self, config):
+        Trainer.__init__(self, config)
+        self.optimizer = torch_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
+                                                            if not n.startswith("head")])
+        self.scheduler = make_scheduler(config.scheduler, self.optimizer)
+
+    def fresh(self):
+        ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scheduler is not None:
+            ckpt["scheduler"] = self.scheduler.state_dict()
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
+        new = type(self)(self.config)
+        if self.added_group:
+            new.add_param_group()
+        for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
+            q.requires_grad_(p.requires_grad)
+        new.model.train(self.model.training)
+        new.model.load_state_dict(ckpt["model"])
+        new.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.scheduler is not None:
+            new.scheduler.load_state_dict(ckpt["scheduler"])
+        return new
+
+
+class Ref2(NewOps, ReferenceTrainer):
+    def model_cleared(self, name):
+        master = self.masters.get(name)
+        if master is not None:
+            master.grad = None  # K1 debt kept (documented for model-side clears)
+
+    def opt_clear(self, mask):
+        super().opt_clear(mask)
+        self.maybe_reset()
+
+    def model_clear(self, mask):
+        super().model_clear(mask)
+        self.maybe_reset()
+
+    def maybe_reset(self):
+        # a full clear (every gradient the optimizer holds is None) forgets an overflow
+        if all(m.grad is None for m in self.masters.values()):
+            self.found_inf = False
+
+    def fresh(self):
+        new = type(self)(self.config)
+        if self.added_group:
+            new.add_param_group()
+        for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
+            q.requires_grad_(p.requires_grad)
+        for n, m in self.masters.items():
+            new.masters[n].requires_grad_(m.requires_grad)
+        new.model.train(self.model.training)
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
+                q.copy_(p)
+            if self.config.masters:
+                for n, m in self.masters.items():
+                    new.masters[n].copy_(m)
+        buf = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buf)
+        buf.seek(0)
+        new.optimizer.load_state_dict(torch.load(buf, weights_only=True))
+        new.scale = list(self.scale)
+        new.unskipped = list(self.unskipped)
+        if self.scheduler is not None:
+            new.scheduler.load_state_dict(self.scheduler.state_dict())
+        return new
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+def random_ops2(rng, config, n, mirror_known=True):
+    """mirror_known: keep out of the sequences the findings R1-R5 (see REPORT.md) so that the run
+    finds something else: no hand-made gradient change while an overflow is pending (R1, and the
+    overflow flag outliving a clear), set_grad through master_params at O2/O5 (R2, R5), no clear
+    through param_groups while a step's dropped gradients may be owed (R3)."""
+    base = generate_ops(rng, config, n)
+    out = []
+    fused_masters = config.fused and config.masters
+    pending = debt = assigned = False
+    for op in base:
+        kind = op[0]
+        if mirror_known and assigned and config.masters and (
+                kind in ("model_zero_grad", "exception_in_block", "bad_call")):
+            op = ("zero_grad", True)  # R6, R8: a clear or a block after a gradient assigned to the masters
+            kind = op[0]
+        out.append(op)
+        if kind in ("backward", "accumulate", "zero_grad"):
+            assigned = False
+        if kind in ("backward", "accumulate") and op[2] is not None:
+            pending = True
+        if kind in ("step", "zero_grad", "model_zero_grad"):
+            pending = False
+        if kind == "step":
+            debt = True
+        if kind == "zero_grad" and op[1]:
+            debt = False
+        if kind == "end":
+            continue
+        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+            r = rng.random()
+            full = rng.random() < 0.4
+            mask = 0xFF if full else rng.randrange(1, 64)
+            if mirror_known and pending and r < 0.8:
+                continue
+            if r < 0.22 and not fused_masters and not (mirror_known and debt):
+                out.append(("opt_clear", mask))
+            elif r < 0.42:
+                out.append(("master_zero", mask, rng.choice(["zero_", "zeros_like"])))
+                assigned = assigned or out[-1][2] == "zeros_like"
+            elif r < 0.62:
+                out.append(("set_grad", mask, rng.randrange(1 << 20)))
+                assigned = True
+            elif r < 0.80:
+                if not (mirror_known and assigned and config.masters):
+                    out.append(("model_clear", mask))
+            elif r < 0.92:
+                out.append(("checkpoint",))
+            else:
+                out.append(("step",))
+                pending = False
+                debt = True
+    return out
+
+
+# -- running and comparing ---------------------------------------------------------------------------
+
+def run_round2(cls, config, ops, checked=False):
+    trainer = cls(config)
+    snaps = []
+    for i, op in enumerate(ops):
+        before = trainer.snapshot() if checked and not trainer.ended else None
+        try:
+            if op[0] == "checkpoint":
+                if not trainer.ended:
+                    trainer = trainer.fresh()
+            else:
+                trainer.apply(op)
+        except FuzzFailure as e:
+            raise FuzzFailure(f"{cls.__name__} op {i} {op[0]}: {e}") from e
+        except Exception as e:
+            raise FuzzFailure(f"{cls.__name__} op {i} {op}: raised {type(e).__name__}: {str(e)[:300]}") from e
+        if checked and not trainer.ended:
+            after = trainer.snapshot()
+            if op[0] == "step" and after["skipped"] > before["skipped"]:
+                changed = snapshot_diff(before, after, ["model", "masters", "optimizer_state"])
+                if changed:
+                    raise FuzzFailure(f"op {i}: a skipped step changed {changed}")
+            if trainer.config.masters and op[0] == "step":
+                try:
+                    check_model_holds_masters(trainer)
+                except FuzzFailure as e:
+                    raise FuzzFailure(f"op {i}: {e}") from e
+        snaps.append(trainer.snapshot() if not trainer.ended else {"ended": True})
+    return snaps
+
+
+def moved_params(prev, cur):
+    if prev is None or len(prev["weights"]) != len(cur["weights"]):
+        return None
+    return [not torch.equal(a[3], b[3]) for a, b in zip(prev["weights"], cur["weights"])]
+
+
+def compare_round2(config, ops, amp_snaps, ref_snaps, exact):
+    prev_a = prev_r = None
+    for i, (a, r) in enumerate(zip(amp_snaps, ref_snaps, strict=True)):
+        if "ended" in a or "ended" in r or ops[i][0] == "end":
+            break
+        where = f"after op {i} {ops[i]}"
+        ma, mr = moved_params(prev_a, a), moved_params(prev_r, r)
+        if ma is not None and mr is not None and ma != mr:
+            raise FuzzFailure(f"moved {where}: amp {ma} vs ref {mr}")
+        if set(a["momentum"]) != set(r["momentum"]):
+            raise FuzzFailure(f"optimizer state presence {where}: amp {sorted(a['momentum'])} vs ref "
+                                f"{sorted(r['momentum'])}")
+        for k, va in a["momentum"].items():
+            vr = r["momentum"][k]
+            va = None if va is None else as_float(va)
+            vr = None if vr is None else as_float(vr)
+            if (va is None) != (vr is None):
+                raise FuzzFailure(f"state {k} {where}: None mismatch")
+            if va is not None:
+                if exact:
+                    ok = torch.equal(va, vr)
+                else:
+                    rtol, atol = (FUSED_O0_RTOL, FUSED_O0_ATOL) if config.level == "O0" else (TOL_RTOL, TOL_ATOL)
+                    if k.endswith("exp_avg_sq"):
+                        atol = atol * 1e-3
+                    ok = torch.allclose(va, vr, rtol=rtol, atol=atol, equal_nan=True)
+                if not ok:
+                    raise FuzzFailure(f"state {k} {where}: max diff {(va - vr).abs().max().item():.4g}")
+        if a["lr"] != r["lr"]:
+            raise FuzzFailure(f"lr {where}: {a['lr']} vs {r['lr']}")
+        if "scale" in r and a["scale"] != r["scale"]:
+            raise FuzzFailure(f"scale {where}: {a['scale']} vs {r['scale']}")
+        if not (config.level == "O0" and config.optimizer == "fused_sgd") and a["step_counts"] != r["step_counts"]:
+            raise FuzzFailure(f"step counts {where}: {a['step_counts']} vs {r['step_counts']}")
+        for name, wa in a["model"].items():
+            wr = r["model"][name]
+            x, y = as_float(wa), as_float(wr)
+            if exact:
+                ok = torch.equal(wa[3], wr[3])
+            elif config.level == "O0":
+                ok = torch.allclose(x, y, rtol=FUSED_O0_RTOL, atol=FUSED_O0_ATOL, equal_nan=True)
+            else:
+                ok = torch.allclose(x, y, rtol=REFERENCE_RTOL, atol=REFERENCE_ATOL, equal_nan=True)
+            if not ok:
+                raise FuzzFailure(f"{name} {where}: max |amp-ref| {(x - y).abs().max().item():.4g}")
+        prev_a, prev_r = a, r
+
+
+def check_round2(config, ops):
+    amp_snaps = run_round2(Amp2, config, ops, checked=True)
+    if config.level == "O0":
+        ref_snaps = run_round2(Torch2, config, ops)
+        exact = not config.fused
+    else:
+        ref_snaps = run_round2(Ref2, config, ops)
+        exact = False
+    compare_round2(config, ops, amp_snaps, ref_snaps, exact)
+
+
+
+
+def check_seed_round2(seed):
+    rng = random.Random(seed * 7919 + 17)
+    config = generate_config(rng)
+    ops = random_ops2(rng, config, 12)
+    try:
+        check_round2(config, ops)
+    except FuzzFailure as e:
+        return f"seed {seed}: {e}\n  config = {config}\n  ops = {ops}"
+    return None
+
+
+ROUND2_SEEDS = range(3029, 3129)  # 100 seeds, about 15 s on two cores
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_call_order_fuzz_round2(block, quiet_single_thread):
+    seeds = ROUND2_SEEDS[block * 50:(block + 1) * 50]
+    failures = [message for message in map(check_seed_round2, seeds) if message]
+    assert not failures, f"{len(failures)} of {len(seeds)} seeds failed:\n" + "\n".join(failures)
+
+
+# -- G20's findings, pinned: each is what torch does where ampinit did otherwise -----------------------
+
+def _tiny(level, optimizer="sgd"):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+           "fused_sgd": lambda p: ampinit.optim.FusedSGD(p, lr=0.1)}[optimizer](model.parameters())
+    return ampinit.initialize(model, opt, opt_level=level, verbosity=0)
+
+
+def _backward(model, opt, x):
+    with ampinit.scale_loss(model(x).float().mean(), opt) as scaled:
+        scaled.backward()
+
+
+def _weight_update(model, opt):
+    w0 = model.weight.detach().float().clone()
+    opt.step()
+    return (w0 - model.weight.detach().float())[0, 0].item()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_sgd"])
+@pytest.mark.parametrize("level,how", [("O0", "zero_"), ("O1", "zero_"), ("O2", "zero_"), ("O2", "param_groups"),
+                                       ("O5", "param_groups"), ("O2", "model_data_zero_")])
+def test_g20_r1_clean_step_after_discarding_an_overflow_is_taken(level, how, optimizer, quiet_single_thread):
+    """G20 R1: the overflow flag outlived a clear other than zero_grad(): zero_() of every
+    gradient (all levels) or p.grad = None through param_groups (O2/O5), then a clean backward:
+    the clean step was skipped, where torch.amp's GradScaler (which checks at the step) takes it.
+    A fused optimizer decides on the device from the flag, without reading the gradients again:
+    it still skips (README)."""
+    if optimizer == "fused_sgd":
+        pytest.xfail("documented: a fused optimizer skips on the backward's overflow flag")
+    model, opt = _tiny(level, optimizer)
+    x = torch.ones(2, 4)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    _backward(model, opt, bad)
+    if how == "model_data_zero_":
+        for p in model.parameters():
+            p.grad.data.zero_()
+    for p in (ampinit.master_params(opt) if how == "zero_" else opt.param_groups[0]["params"]):
+        if how == "zero_":
+            p.grad.zero_()
+        elif how == "param_groups":
+            p.grad = None
+    _backward(model, opt, x)
+    skipped = opt.amp.skipped_steps
+    opt.step()
+    assert opt.amp.skipped_steps == skipped
+
+
+@pytest.mark.xfail(strict=True, reason="G20 R2: at O2/O5 gradients assigned through param_groups after "
+                   "model.zero_grad() are dropped at step()")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_g20_r2_gradient_assigned_after_model_zero_grad_is_stepped(level, quiet_single_thread):
+    model, opt = _tiny(level)
+    _backward(model, opt, torch.ones(2, 4))
+    model.zero_grad()
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, 0.5)
+    assert _weight_update(model, opt) == pytest.approx(0.05, rel=2e-2)  # torch: lr * 0.5
+
+
+@pytest.mark.xfail(strict=True, reason="G20 R3 (K1 wider): at O2/O5, after a skipped step, "
+                   "zero_grad(set_to_none=False) leaves the gradients None until the step, and a "
+                   "param_groups clear in between does not keep them from being stepped on zeros")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_g20_r3_zero_grad_false_gives_zeros_that_a_clear_removes(level, quiet_single_thread):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = ampinit.initialize(model, opt, opt_level=level, verbosity=0)
+    x = torch.ones(2, 4)
+    _backward(model, opt, x)
+    opt.step()
+    opt.zero_grad()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    _backward(model, opt, bad)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None for p in opt.param_groups[0]["params"])
+    for p in opt.param_groups[0]["params"][:2]:
+        p.grad = None
+    w0 = model[0].weight.detach().float().clone()
+    opt.step()
+    assert torch.equal(w0, model[0].weight.detach().float())
+
+
+@pytest.mark.xfail(strict=True, reason="G20 R5: a fused optimizer at O2/O5 ignores a gradient assigned "
+                   "through param_groups and steps the backward's deferred gradient")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_g20_r5_fused_steps_a_gradient_assigned_through_param_groups(level, quiet_single_thread):
+    model, opt = _tiny(level, "fused_sgd")
+    _backward(model, opt, torch.ones(2, 4))
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, 0.5)
+    assert _weight_update(model, opt) == pytest.approx(0.05, rel=2e-2)
+
+
+@pytest.mark.xfail(strict=True, reason="G20 R6: at O2/O5 model.zero_grad() does not clear a gradient "
+                   "assigned to a master; the next step applies it again")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_g20_r6_model_zero_grad_clears_an_assigned_master_gradient(level, quiet_single_thread):
+    model, opt = _tiny(level)
+    for p in ampinit.master_params(opt):
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    model.zero_grad()
+    assert all(p.grad is None for p in ampinit.master_params(opt))
+    assert _weight_update(model, opt) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="G20 R8: at O2/O5 a scale_loss block that raises before its backward "
+                   "makes the next backward replace an assigned master gradient instead of adding to it")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_g20_r8_a_raising_block_leaves_an_assigned_gradient_to_add_to(level, quiet_single_thread):
+    model, opt = _tiny(level)
+    opt.param_groups[0]["lr"] = 1.0
+    for p in ampinit.master_params(opt):
+        p.grad = torch.full_like(p, 0.5)
+    with pytest.raises(KeyError):
+        with ampinit.scale_loss(model(torch.ones(2, 4)).float().mean(), opt):
+            raise KeyError("planted")
+    _backward(model, opt, torch.ones(2, 4))
+    assert _weight_update(model, opt) == pytest.approx(0.5 + 1 / 3, rel=2e-2)  # torch: 0.8333
