@@ -122,13 +122,14 @@ class OptimizerBinding:
             return True
         if read_overflow and values[0]:
             names = self.nonfinite_param_names(as_read=True)
-            if names or self.handle._shard_groups:
+            if names or flow.overflow_shared or self.handle._shard_groups:
                 self.skip_step(names)
                 return False
             # Every inf/NaN the flag saw was cleared by the user since (p.grad.zero_(), a master's
             # gradient set to None): what the update reads is finite, and torch.amp's GradScaler,
-            # which checks at the step, would take it (G20).  Not for sharded parameters, where
-            # each rank sees only its shard and ranks must agree.
+            # which checks at the step, would take it (G20).  Not where a scale_loss for several
+            # optimizers set the flag (its overflow skips them all, as in apex, and another's
+            # gradients may hold it), nor for sharded parameters (each rank sees its shard only).
             flow.forget_overflow()
         return True
 

@@ -138,6 +138,9 @@ class GradientFlow:
         self._name_of = name_of
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
+        # a scale_loss for several optimizers set found_inf since step(): its overflow skips them
+        # all, as in apex, whatever each one's own gradients hold at the step
+        self.overflow_shared = False
         self.pending: Optional[_Pending] = None
         # model parameters whose gradients drop_all_grads dropped since zero_grad
         self._dropped: List[torch.Tensor] = []
@@ -484,6 +487,7 @@ class GradientFlow:
 
     def _forget_overflow(self) -> None:
         self.found_inf.zero_()
+        self.overflow_shared = False
         self.unscaled_since_step = False
         self.deferred_inv_scale = None
         self.overflow_records = []
