@@ -671,8 +671,8 @@ class AmpHandle:
                     later_modules.hooked.add(module)
                     if self not in handles_holding(module):  # made after initialize: refuse assign=True too
                         self._hooks.append(module.register_load_state_dict_pre_hook(links.RefuseAssign(self._link)))
-                    self._hooks.append(module.register_state_dict_post_hook(links.SaveFP32Values(self._link)))
-                    self._hooks.append(module.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link)))
+                    self._hooks.extend(links.register_state_dict_hooks(
+                        module, links.SaveFP32Values(self._link), links.LoadFP32Values(self._link)))
 
     def _check_held_by_no_other(self, params: List[torch.Tensor]) -> None:
         """16-bit parameters that another live initialization holds (cast, or keeps a master of)
@@ -719,11 +719,11 @@ class AmpHandle:
             if not links.cast_tensors_of(module, original):
                 continue
             later_modules.hooked.add(module)
-            hooks.append(module.register_state_dict_post_hook(links.SaveFP32Values(self._link)))
-            hooks.append(module.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link)))
-        # after the modules' own hooks (hooks run in the order registered; the root's last)
-        hooks.append(model.register_state_dict_post_hook(links.SaveFP32Values(self._link, later_modules)))
-        hooks.append(model.register_load_state_dict_pre_hook(links.LoadFP32Values(self._link, later_modules)))
+            hooks.extend(links.register_state_dict_hooks(module, links.SaveFP32Values(self._link),
+                                                         links.LoadFP32Values(self._link)))
+        # the root's serve the modules made later; a root holding cast tensors has both
+        hooks.extend(links.register_state_dict_hooks(model, links.SaveFP32Values(self._link, later_modules),
+                                                     links.LoadFP32Values(self._link, later_modules)))
         hooks.append(model.register_state_dict_post_hook(links.ReportingWindow(self._link, opening=False)))
         hooks.append(model.register_forward_pre_hook(links.BeforeForward(self._link)))
         return hooks

@@ -333,17 +333,46 @@ class BeforeForward:
 
 
 class LoadFP32Values(CastTensorHook):
-    """``model.load_state_dict()`` hook: cast tensors load their FP32 values too, so a
-    checkpoint's full-precision values are not lost to the model's rounding."""
+    """``model.load_state_dict()`` hooks: cast tensors load their FP32 values too, so a
+    checkpoint's full-precision values are not lost to the model's rounding.  The pre-hook
+    only notes the dict; the post-hook (:meth:`after_load`) reads it once every pre-hook of the
+    module has run, those registered after ``initialize`` included: a hook that renames legacy
+    keys or transforms values in place (F12) is seen, as on the FP32 model.  The model then
+    holds the rounding of what the master takes, written by torch's own load before it."""
+
+    def __init__(self, link: HandleLink, later_modules: Optional[Callable[[nn.Module], Iterator[tuple]]] = None):
+        super().__init__(link, later_modules)
+        self._noted: Optional[tuple] = None
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        self._noted = (state_dict, prefix)
+
+    def after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        noted, self._noted = self._noted, None
         handle = self.link.handle
-        if handle is None:
+        if handle is None or noted is None:
             return
+        state_dict, prefix = noted
         for key, tensor, _ in self.cast_tensors(handle, module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
                 handle.load_fp32_value(tensor, value)
+
+
+def register_state_dict_hooks(module: nn.Module, save: "SaveFP32Values", load: LoadFP32Values) -> List[Any]:
+    """Put ``save`` first among ``module``'s state_dict post-hooks, those registered before
+    ``initialize`` (in a module's ``__init__``) included, so that they see the FP32 values as
+    they would on the FP32 model: a hook that folds a constant into a weight for export, stores
+    it in half or renames keys (F12: ampinit's ran after them, overwrote the fold and skipped
+    renamed keys, which stayed 16-bit).  torch offers no ``prepend`` for these hooks; its
+    ordered dict of them is reordered the way its own ``prepend=True`` does for forward hooks.
+    ``load`` as a pre-hook and a post-hook (see :class:`LoadFP32Values`)."""
+    first = module.register_state_dict_post_hook(save)
+    registered = getattr(module, "_state_dict_hooks", None)
+    if isinstance(registered, collections.OrderedDict) and first.id in registered:
+        registered.move_to_end(first.id, last=False)
+    return [first, module.register_load_state_dict_pre_hook(load),
+            module.register_load_state_dict_post_hook(load.after_load)]
 
 
 class RefuseAssign(ModuleHook):
