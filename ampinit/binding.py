@@ -203,6 +203,8 @@ class OptimizerBinding:
         else:
             self.skips_at_floor = 0
             flow.copy_masters_to_model()
+            if not flow.unscaled_since_step:  # a step on gradients set by hand
+                flow.track_assigned_grads()
         self.steps += 1
         self._end_step()
 

@@ -323,6 +323,15 @@ class GradientFlow:
         if self.masters is not None:
             self.masters.copy_to_model([master for _, master in self.distinct_pairs()])
 
+    def track_assigned_grads(self) -> None:
+        """After a step no ``scale_loss`` came before: its masters' gradients were set by hand
+        (``p.grad = g`` through ``amp.master_params``).  A zero token on each such master's model
+        parameter makes a later ``model.zero_grad()`` reach it, as on torch's one object (G20's
+        R6: the next step applied it again).  Runs only on such steps."""
+        for model, master in self.distinct_pairs():
+            if master.grad is not None and model.grad is None and master not in self.deferred:
+                self._park(model, master)
+
     def settle_model_clears(self) -> None:
         """Masters whose model parameter's gradient was set to ``None`` since ampinit left it
         there (``model.zero_grad()``, ``p.grad = None``) lose theirs now, as the one tensor of
@@ -377,8 +386,17 @@ class GradientFlow:
         gradients are still there at a scale_loss (several losses per step without
         ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
         if first:
-            _, now = ops.l2norm([grad for _, _, grad, _ in unchanged], per_tensor=True)
-            self._zero_master_grads_where(unchanged, now == 0)
+            # A parked token is zero from the start: it tells nothing, and follows the others (a
+            # master given a gradient by hand, or one an interrupted scale_loss parked, keeps it
+            # where nothing else was zeroed, as torch would keep adding to it: G20's R8)
+            tokens = [entry for entry in unchanged if entry[3] is not _PARKED]
+            parked = [entry for entry in unchanged if entry[3] is _PARKED]
+            if tokens:
+                _, now = ops.l2norm([grad for _, _, grad, _ in tokens], per_tensor=True)
+                zeroed = now == 0
+                if parked:
+                    zeroed = torch.cat([zeroed, zeroed.any().expand(len(parked))])
+                self._zero_master_grads_where(tokens + parked, zeroed)
             return
         images = [entry for entry in unchanged if entry[3] is _IMAGE]
         normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
@@ -710,7 +728,10 @@ class GradientFlow:
                     self._restored_zeros.add(model)
                 master = masters.get(model)
                 if master is not None and master.grad is None:
-                    self._owed_zeros.add(master)
+                    if self.fused:  # owed: a zero buffer would keep the fused path from deferring
+                        self._owed_zeros.add(master)
+                    else:  # given now, as torch's would be there: a clear through param_groups removes them (R3)
+                        master.grad = self._new_grad(master).zero_()
         else:
             self._restored_zeros = set()
             self._owed_zeros = set()
@@ -718,6 +739,8 @@ class GradientFlow:
         for model, master in self.distinct_pairs():
             if model.grad is None:
                 self._tokens.pop(model, None)
+                if not set_to_none and master.grad is not None and master not in self.deferred:
+                    self._park(model, master)  # zeroed, and set by hand: model.zero_grad() must reach it
             elif set_to_none:
                 model.grad = None
                 self._tokens.pop(model, None)
