@@ -67,8 +67,14 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
         return {key: cast_floating(item, dtype, _open, batch_objects) for key, item in value.items()}
     if isinstance(value, dict):  # OrderedDict, defaultdict, ...: keep the type and its extras
         out = copy.copy(value)
+        done = {}
         for key, item in value.items():
-            out[key] = cast_floating(item, dtype, _open, batch_objects)
+            out[key] = done[id(item)] = cast_floating(item, dtype, _open, batch_objects)
+        if _is_dataclass_instance(value):  # its fields too, which it may not keep in step with its items (F12);
+            for name in _attributes(value):  # one cast of what both hold (HF's ModelOutput)
+                item = getattr(value, name)
+                cast = done[id(item)] if id(item) in done else cast_floating(item, dtype, _open, batch_objects)
+                object.__setattr__(out, name, cast)
         return out
     if _is_dataclass_instance(value):
         _open = set() if _open is None else _open

@@ -1,6 +1,7 @@
 """Every repro of ../shared/repros as a regression test, on more shapes, levels, optimizers and
 schedulers than the repro itself: each failed before the fix (silently, or with an unclear
 error).  Each test compares against what plain PyTorch (FP32) does with the same script."""
+import collections
 import copy
 import dataclasses
 import io
@@ -1373,6 +1374,39 @@ def test_dataclass_outputs_with_unset_fields_cycles_and_extra_attributes(level):
     out = model(torch.randn(2, 4))
     assert out.logits.dtype == torch.float32 and out.doubled.dtype == torch.float32
     assert not hasattr(out, "note") and out.parent is not None
+
+
+@dataclasses.dataclass
+class _DictOutput(collections.OrderedDict):
+    """A dict and a dataclass, its fields not kept in step with its items (HF's ModelOutput keeps
+    them in step; this one copies once)."""
+    logits: torch.Tensor = None
+    hidden: torch.Tensor = None
+
+    def __post_init__(self):
+        self["logits"] = self.logits
+
+
+class _DictOutputModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.body(x)
+        return _DictOutput(logits=logits, hidden=logits * 2)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_dict_and_dataclass_outputs_cast_items_and_fields_once(level):
+    """F12: only the items of an output that is both a dict and a dataclass were cast; its
+    fields stayed 16-bit (``out.logits`` float16 where ``out["logits"]`` was float32).  A tensor
+    both hold is cast once, and both see that one."""
+    model = amp.initialize(_DictOutputModel(), opt_level=level, verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert isinstance(out, _DictOutput)
+    assert out["logits"].dtype == out.logits.dtype == out.hidden.dtype == torch.float32
+    assert out.logits is out["logits"] and "hidden" not in out
 
 
 # -- item 8: clear errors ----------------------------------------------------------------------
