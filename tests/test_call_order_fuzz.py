@@ -875,28 +875,37 @@ def run_ops(trainer_class, config, ops, checked=False, resume_after=None):
     return snapshots, trainer
 
 
+def through_a_checkpoint(trainer, extra=None, load_extra=None, trainer_class=None):
+    """A fresh trainer of ``trainer``'s type resumed from its model, optimizer, scheduler (and
+    ``extra``) saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``;
+    ``load_extra(new, checkpoint)`` runs after the optimizer's load, before the scheduler's.
+    The fresh objects are set up as the script would (another ``trainer_class`` if given)."""
+    ckpt = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), **(extra or {})}
+    if trainer.scheduler is not None:
+        ckpt["scheduler"] = trainer.scheduler.state_dict()
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    new = (trainer_class or type(trainer))(trainer.config)
+    if trainer.added_group:
+        new.add_param_group()
+    for p, q in zip(trainer.model.parameters(), new.model.parameters(), strict=True):
+        q.requires_grad_(p.requires_grad)
+    new.model.train(trainer.model.training)
+    new.model.load_state_dict(ckpt["model"])
+    new.optimizer.load_state_dict(ckpt["optimizer"])
+    if load_extra is not None:
+        load_extra(new, ckpt)
+    if trainer.scheduler is not None:
+        new.scheduler.load_state_dict(ckpt["scheduler"])
+    return new
+
+
 def resumed(trainer_class, config, trainer):
     """Checkpoint through torch.save, then load into fresh objects set up as the script would."""
-    checkpoint = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                  "amp": ampinit.state_dict()}
-    if trainer.scheduler is not None:
-        checkpoint["scheduler"] = trainer.scheduler.state_dict()
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)
-    fresh = trainer_class(config)
-    if trainer.added_group:
-        fresh.add_param_group()
-    for p, q in zip(trainer.model.parameters(), fresh.model.parameters(), strict=True):
-        q.requires_grad_(p.requires_grad)
-    fresh.model.train(trainer.model.training)
-    fresh.model.load_state_dict(checkpoint["model"])
-    fresh.optimizer.load_state_dict(checkpoint["optimizer"])
-    ampinit.load_state_dict(checkpoint["amp"])
-    if trainer.scheduler is not None:
-        fresh.scheduler.load_state_dict(checkpoint["scheduler"])
-    return fresh
+    return through_a_checkpoint(trainer, {"amp": ampinit.state_dict()},
+                                lambda new, checkpoint: ampinit.load_state_dict(checkpoint["amp"]), trainer_class)
 
 
 def compare_with_torch(snapshots, torch_snapshots, ops):
@@ -1081,26 +1090,8 @@ class Amp2(NewOps, AmpTrainer):
         return list(ampinit.master_params(self.optimizer))
 
     def fresh(self):
-        ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "amp": ampinit.handle_of(self.optimizer).state_dict()}
-        if self.scheduler is not None:
-            ckpt["scheduler"] = self.scheduler.state_dict()
-        buf = io.BytesIO()
-        torch.save(ckpt, buf)
-        buf.seek(0)
-        ckpt = torch.load(buf, weights_only=True)
-        new = type(self)(self.config)
-        if self.added_group:
-            new.add_param_group()
-        for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
-            q.requires_grad_(p.requires_grad)
-        new.model.train(self.model.training)
-        new.model.load_state_dict(ckpt["model"])
-        new.optimizer.load_state_dict(ckpt["optimizer"])
-        ampinit.handle_of(new.optimizer).load_state_dict(ckpt["amp"])
-        if self.scheduler is not None:
-            new.scheduler.load_state_dict(ckpt["scheduler"])
-        return new
+        return through_a_checkpoint(self, {"amp": ampinit.handle_of(self.optimizer).state_dict()},
+                                    lambda new, ckpt: ampinit.handle_of(new.optimizer).load_state_dict(ckpt["amp"]))
 
 
 class Torch2(NewOps, TorchTrainer):
@@ -1111,24 +1102,7 @@ class Torch2(NewOps, TorchTrainer):
         self.scheduler = make_scheduler(config.scheduler, self.optimizer)
 
     def fresh(self):
-        ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self.scheduler is not None:
-            ckpt["scheduler"] = self.scheduler.state_dict()
-        buf = io.BytesIO()
-        torch.save(ckpt, buf)
-        buf.seek(0)
-        ckpt = torch.load(buf, weights_only=True)
-        new = type(self)(self.config)
-        if self.added_group:
-            new.add_param_group()
-        for p, q in zip(self.model.parameters(), new.model.parameters(), strict=True):
-            q.requires_grad_(p.requires_grad)
-        new.model.train(self.model.training)
-        new.model.load_state_dict(ckpt["model"])
-        new.optimizer.load_state_dict(ckpt["optimizer"])
-        if self.scheduler is not None:
-            new.scheduler.load_state_dict(ckpt["scheduler"])
-        return new
+        return through_a_checkpoint(self)
 
 
 class Ref2(NewOps, ReferenceTrainer):

@@ -538,6 +538,27 @@ def test_parameters_saved_as_tensors_load_with_weights_only(level):
 
 # -- the user's own state_dict hooks on submodules (F12) -----------------------------------------
 
+def _hooked_pair(level, when, register):
+    """An FP32 reference and a model initialized at ``level``, both with ``register(module)``
+    called on a child and a grand-child (for the model, ``when``: before or after initialize)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 2)))
+
+    def hook_up(model):
+        for module in (model[0], model[1][0]):
+            register(module)
+
+    reference, model = build(), build()
+    hook_up(reference)
+    if when == "before":
+        hook_up(model)
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    if when == "after":
+        hook_up(model)
+    return reference, model
+
+
 def _fold(module, state_dict, prefix, local_metadata):  # an export fold
     state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2.0
 
@@ -559,26 +580,13 @@ def test_a_submodules_state_dict_hooks_see_the_fp32_values(level, hook, when, ap
     ran before ampinit's at O2/O5: a fold was overwritten by the unfolded master (0.39 off), a
     renamed key was skipped and saved 16-bit.  Now it sees the FP32 values, in any order, as on
     the FP32 model; a hook's own dtype choice (``.half()``) is kept."""
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 2)))
+    def register(module):
+        if api == "public":
+            module.register_state_dict_post_hook(hook)
+        else:
+            module._register_state_dict_hook(lambda m, sd, p, lm: hook(m, sd, p, lm))
 
-    def register(model):
-        for module in (model[0], model[1][0]):  # a child and a grand-child
-            if api == "public":
-                module.register_state_dict_post_hook(hook)
-            else:
-                module._register_state_dict_hook(lambda m, sd, p, lm, hook=hook: hook(m, sd, p, lm))
-
-    reference = build()
-    register(reference)
-    model = build()
-    if when == "before":
-        register(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-    if when == "after":
-        register(model)
+    reference, model = _hooked_pair(level, when, register)
     want, got = reference.state_dict(), model.state_dict()
     assert list(want) == list(got)
     for key in want:
@@ -614,24 +622,8 @@ def test_a_submodules_load_pre_hooks_reach_the_masters(level, hook, when):
         else:
             checkpoint[prefix + "weight"] = checkpoint[prefix + "weight"] * 2.0
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 2)))
-
-    def register(model):
-        for module in (model[0], model[1][0]):
-            module.register_load_state_dict_pre_hook(hook)
-
-    reference = build()
-    register(reference)
+    reference, model = _hooked_pair(level, when, lambda module: module.register_load_state_dict_pre_hook(hook))
     reference.load_state_dict(checkpoint)
-    model = build()
-    if when == "before":
-        register(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-    if when == "after":
-        register(model)
     model.load_state_dict(checkpoint)
     want, got = reference.state_dict(), model.state_dict()
     for key in want:
