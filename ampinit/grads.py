@@ -386,17 +386,8 @@ class GradientFlow:
         gradients are still there at a scale_loss (several losses per step without
         ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
         if first:
-            # A parked token is zero from the start: it tells nothing, and follows the others (a
-            # master given a gradient by hand, or one an interrupted scale_loss parked, keeps it
-            # where nothing else was zeroed, as torch would keep adding to it: G20's R8)
-            tokens = [entry for entry in unchanged if entry[3] is not _PARKED]
-            parked = [entry for entry in unchanged if entry[3] is _PARKED]
-            if tokens:
-                _, now = ops.l2norm([grad for _, _, grad, _ in tokens], per_tensor=True)
-                zeroed = now == 0
-                if parked:
-                    zeroed = torch.cat([zeroed, zeroed.any().expand(len(parked))])
-                self._zero_master_grads_where(tokens + parked, zeroed)
+            _, now = ops.l2norm([grad for _, _, grad, _ in unchanged], per_tensor=True)
+            self._zero_master_grads_where(unchanged, now == 0)
             return
         images = [entry for entry in unchanged if entry[3] is _IMAGE]
         normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
@@ -610,8 +601,8 @@ class GradientFlow:
             elif model in self._held:  # the master's gradient is untouched
                 self._tokens[model] = self._held[model]
                 model.grad = self._held[model][0]
-            else:
-                self._park(model, master)
+            # else: no token on entry, none now (a zero token here, on a master given its
+            # gradient by hand, was taken for a clear at the next scale_loss: G20's R8)
         self._stash.clear()
         self._held = {}
         self._first_since_step = True  # the batch was abandoned: the next one starts afresh
