@@ -121,15 +121,21 @@ class OptimizerBinding:
             self.resolve_fused_steps(wait=False)
             return True
         if read_overflow and values[0]:
+            if suspects or self.handle._shard_groups:
+                self.skip_step()
+                return False
             names = self.nonfinite_param_names(as_read=True)
-            if names or flow.overflow_shared or self.handle._shard_groups:
+            if names or flow.overflow_shared.item():
                 self.skip_step(names)
                 return False
-            # Every inf/NaN the flag saw was cleared by the user since (p.grad.zero_(), a master's
-            # gradient set to None): what the update reads is finite, and torch.amp's GradScaler,
-            # which checks at the step, would take it (G20).  Not where a scale_loss for several
-            # optimizers set the flag (its overflow skips them all, as in apex, and another's
-            # gradients may hold it), nor for sharded parameters (each rank sees its shard only).
+            # Every inf/NaN the flag saw was cleared by the user since (p.grad.zero_() of the
+            # masters, a master's gradient set to None): what the update reads is finite, and
+            # torch.amp's GradScaler, which checks at the step, would take it (G20).  Not where a
+            # scale_loss for several optimizers overflowed (it skips them all, as in apex: another's
+            # gradients may hold the inf), nor for sharded parameters (each rank sees its shard
+            # only), nor where a model-side change reached the masters only now: code that read
+            # them before the step (clipping amp.master_params) saw the inf, and a clip by an inf
+            # norm zeroes every gradient (G21).
             flow.forget_overflow()
         return True
 
@@ -371,12 +377,13 @@ class OptimizerBinding:
                      "(NaN in the data, the loss or the model) or at state that keeps a skipped step's inf/NaN (a "
                      "DDP communication hook with memory, such as PowerSGD's error feedback)")
         broken = self.nonfinite_weight_names()
-        if broken:  # skipped steps never write the weights: something else did (E13: a foreign optimizer)
+        if broken:  # skipped steps never write the weights: an applied step or something else did
             cause = (f"the weights themselves hold inf/NaN ({', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}"
-                     "), so every gradient through them does, at any scale.  ampinit's skipped steps leave the weights "
-                     "as they were: something else wrote them, most often an optimizer that was not passed to "
-                     "ampinit.initialize stepping on the scaled gradients (pass every optimizer to initialize), or a "
-                     "write through .data or load_state_dict.  Restore them from a checkpoint")
+                     "), so every gradient through them does, at any scale.  Skipped steps leave the weights as they "
+                     "were; they were written by an applied step that computed inf/NaN (at O3, an Adam eps that "
+                     "float16 rounds to 0: see the warning at initialize), or from outside: an optimizer that was not "
+                     "passed to ampinit.initialize stepping on the scaled gradients (pass every optimizer to "
+                     "initialize), a write through .data, load_state_dict.  Restore them from a checkpoint")
         return (f"{self.skips_at_floor} consecutive steps of optimizer {self.index} were skipped with the loss scale "
                 f"at its floor: {cause}.  Non-finite gradients in: {where}.  To allow more such steps, set "
                 "optimizer.amp.max_skips_at_floor (None disables this check)")

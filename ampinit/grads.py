@@ -138,9 +138,10 @@ class GradientFlow:
         self._name_of = name_of
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
-        # a scale_loss for several optimizers set found_inf since step(): its overflow skips them
-        # all, as in apex, whatever each one's own gradients hold at the step
-        self.overflow_shared = False
+        # the overflow of scale_loss calls for several optimizers since step() (a device flag, read
+        # only where a flagged step's gradients turn out finite): it skips them all, as in apex,
+        # whatever each one's own gradients hold at the step
+        self.overflow_shared = torch.zeros((1,), dtype=torch.float32, device=device)
         self.pending: Optional[_Pending] = None
         # model parameters whose gradients drop_all_grads dropped since zero_grad
         self._dropped: List[torch.Tensor] = []
@@ -361,9 +362,14 @@ class GradientFlow:
         zero is a write: ``zero_()`` and ``fill_(0)`` give ``+0.0``, while multiplying by zero
         keeps the sign, as ``clip_grad_norm_(model.parameters())`` does where the 16-bit norm of
         the scaled gradients overflowed (a coefficient of ``max_norm / inf``)."""
-        written = grad.ne(0).any() if grad.is_complex() else (grad.ne(0) | grad.signbit()).any()
+        values = grad.coalesce()._values() if grad.is_sparse else grad
+        written = values.ne(0).any() if values.is_complex() else (values.ne(0) | values.signbit()).any()
         if master.grad is not None and master not in self.deferred:
-            master.grad.masked_fill_(written.logical_not(), 0.0)
+            if master.grad.is_sparse:  # (rare) no masked fill for sparse tensors: one sync here
+                if not bool(written):
+                    master.grad = torch.zeros_like(master.grad)
+            else:
+                master.grad.masked_fill_(written.logical_not(), 0.0)
         self._suspects.append((written, model))
         self._token(model, grad)
 
@@ -496,7 +502,7 @@ class GradientFlow:
 
     def _forget_overflow(self) -> None:
         self.found_inf.zero_()
-        self.overflow_shared = False
+        self.overflow_shared.zero_()
         self.unscaled_since_step = False
         self.deferred_inv_scale = None
         self.overflow_records = []

@@ -345,14 +345,21 @@ class LoadFP32Values(CastTensorHook):
         self._noted: Optional[tuple] = None
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        self._noted = (state_dict, prefix)
+        # weakly where it can (torch's load works on its own OrderedDict copy): a load that
+        # raises before the post-hook must not keep the checkpoint alive until the next one
+        try:
+            self._noted = (weakref.ref(state_dict), prefix)
+        except TypeError:
+            self._noted = ((lambda: state_dict), prefix)
 
     def after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         noted, self._noted = self._noted, None
         handle = self.link.handle
         if handle is None or noted is None:
             return
-        state_dict, prefix = noted
+        state_dict, prefix = noted[0](), noted[1]
+        if state_dict is None:
+            return
         for key, tensor, _ in self.cast_tensors(handle, module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
@@ -366,13 +373,20 @@ def register_state_dict_hooks(module: nn.Module, save: "SaveFP32Values", load: L
     it in half or renames keys (F12: ampinit's ran after them, overwrote the fold and skipped
     renamed keys, which stayed 16-bit).  torch offers no ``prepend`` for these hooks; its
     ordered dict of them is reordered the way its own ``prepend=True`` does for forward hooks.
-    ``load`` as a pre-hook and a post-hook (see :class:`LoadFP32Values`)."""
-    first = module.register_state_dict_post_hook(save)
-    registered = getattr(module, "_state_dict_hooks", None)
-    if isinstance(registered, collections.OrderedDict) and first.id in registered:
-        registered.move_to_end(first.id, last=False)
+    ``load`` as a pre-hook and as the first post-hook (see :class:`LoadFP32Values`)."""
+    first = _first(module, "_state_dict_hooks", module.register_state_dict_post_hook(save))
     return [first, module.register_load_state_dict_pre_hook(load),
-            module.register_load_state_dict_post_hook(load.after_load)]
+            _first(module, "_load_state_dict_post_hooks", module.register_load_state_dict_post_hook(load.after_load))]
+
+
+def _first(module: nn.Module, hooks_attribute: str, handle: Any) -> Any:
+    """Move a just registered hook before the module's others of its kind (those a user's hook
+    registered before ``initialize`` included: a load post-hook that raises would otherwise keep
+    the masters from the checkpoint's values, G21)."""
+    registered = getattr(module, hooks_attribute, None)
+    if isinstance(registered, collections.OrderedDict) and handle.id in registered:
+        registered.move_to_end(handle.id, last=False)
+    return handle
 
 
 class RefuseAssign(ModuleHook):

@@ -123,14 +123,15 @@ class _AmpOptimizerMixin:
 
     # apex's two halves of its scale_loss, which hand-written scale_loss copies call (E13: at
     # least six public files).  Not emulated: ampinit's gradients, masters and overflow check
-    # work differently.  Properties raising AttributeError: hasattr stays False, a call says why.
-    @property
-    def _prepare_amp_backward(self) -> Any:
-        raise AttributeError(_APEX_BACKWARD_HALVES.format(name="_prepare_amp_backward"))
-
-    @property
-    def _post_amp_backward(self) -> Any:
-        raise AttributeError(_APEX_BACKWARD_HALVES.format(name="_post_amp_backward"))
+    # work differently.  Only where the lookup failed (a subclass's own methods of those names
+    # stay, G21), an AttributeError that says why: hasattr stays False.
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_prepare_amp_backward", "_post_amp_backward"):
+            raise AttributeError(_APEX_BACKWARD_HALVES.format(name=name))
+        parent = getattr(super(), "__getattr__", None)
+        if parent is not None:
+            return parent(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and

@@ -4,10 +4,12 @@ error).  Each test compares against what plain PyTorch (FP32) does with the same
 import collections
 import copy
 import dataclasses
+import gc
 import io
 import logging
 import pickle
 import re
+import weakref
 
 import pytest
 import torch
@@ -1772,3 +1774,148 @@ def test_a_model_cast_after_initialize_with_remainder_masters_is_a_clear_error()
     with amp.scale_loss(model(torch.randn(2, 4).bfloat16()).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
+
+
+# -- G21: the hostile review of session 28's changes ---------------------------------------------
+
+def _overflowed_o2_mlp(level, optimizer="adam"):
+    """An MLP whose first layer's gradient overflowed in the last scale_loss, not stepped yet."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    make = {"adam": lambda p: torch.optim.Adam(p, lr=0.01), "sgd": lambda p: torch.optim.SGD(p, lr=0.1)}
+    model, opt = amp.initialize(model, make[optimizer](model.parameters()), opt_level=level, verbosity=0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(model[0].weight.dtype)
+    for poison in (False, True):
+        opt.zero_grad()
+        handle = model[0].weight.register_hook(lambda g: g * float("inf")) if poison else None
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        if handle is not None:
+            handle.remove()
+        else:
+            opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("clear", ["zero_", "zeros_like"])
+def test_a_model_side_clear_that_clipping_did_not_see_does_not_step_on_zeros(level, clear):
+    """G21: the overflowed layer's gradient zeroed on the model side, then clip_grad_norm_ of
+    amp.master_params, then step: the clip still saw the master's inf (a model-side change
+    reaches the masters at the step), its norm was inf, and it multiplied every gradient by 0;
+    the step's recheck found them all finite and Adam stepped on zeros (momentum moved every
+    weight 0.0067).  Such a step stays skipped, as before the recheck."""
+    model, opt = _overflowed_o2_mlp(level)
+    if clear == "zero_":
+        model[0].weight.grad.zero_()
+    else:
+        model[0].weight.grad = torch.zeros_like(model[0].weight)
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    skipped = opt.amp.skipped_steps
+    opt.step()
+    assert opt.amp.skipped_steps == skipped + 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflowed_sparse_gradient_zeroed_by_hand_does_not_crash_the_step(level):
+    """G21: zeroing an overflowed sparse gradient made step() raise NotImplementedError from a
+    dense-only comparison (O2/O5).  The step now skips (O2: the model-side change is one the
+    recheck does not trust) or is taken (O1), as GradScaler would, without an error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0,
+                                init_scale=8.0)  # (at 2**16 the head's own fp16 gradient overflows)
+    handle = model[0].weight.register_hook(lambda g: g * float("inf"))
+    with amp.scale_loss(model(torch.tensor([[1, 2, 3]])).float().sum(), opt) as scaled:
+        scaled.backward()
+    handle.remove()
+    model[0].weight.grad.zero_()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.amp.skipped_steps == (0 if level == "O1" else 1)
+
+
+def test_a_joint_scale_loss_without_overflow_leaves_a_cleared_overflow_to_be_stepped():
+    """G21: any scale_loss given two optimizers marked them, overflow or not, and a later
+    overflow of one optimizer's own that the script cleared was skipped where GradScaler steps.
+    Only a joint block that overflowed keeps the cleared step skipped."""
+    def run(joint_overflows):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 1)
+        o1, o2 = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        (a, b), (o1, o2) = amp.initialize([a, b], [o1, o2], opt_level="O1", verbosity=0, num_losses=2)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        handle = a.weight.register_hook(lambda g: g * float("inf")) if joint_overflows else None
+        with amp.scale_loss(b(a(x)).float().pow(2).mean(), [o1, o2], loss_id=0) as scaled:
+            scaled.backward()
+        if handle is not None:
+            handle.remove()
+        handle = a.weight.register_hook(lambda g: g * float("inf"))
+        with amp.scale_loss(a(x).float().pow(2).mean(), o1, loss_id=1) as scaled:
+            scaled.backward()
+        handle.remove()
+        a.weight.grad.zero_()
+        b.weight.grad = None  # o2's own inf, if any, cleared too
+        o1.step()
+        return o1.amp.skipped_steps
+
+    assert run(joint_overflows=False) == 0
+    assert run(joint_overflows=True) == 1
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_a_load_post_hook_that_raises_leaves_the_masters_loaded_and_the_checkpoint_free(level):
+    """G21: a module's load post-hook registered before initialize ran before ampinit's, and
+    when it raised (a validation hook the script catches) the masters kept the 16-bit rounding
+    of what torch loaded (1.8e-4 off at O2); a load that raised in a pre-hook kept the whole
+    checkpoint referenced until the next load."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+
+    checkpoint = {key: value + 0.1234567 for key, value in build().state_dict().items()}
+
+    def refuse(module, incompatible_keys):
+        raise KeyError("validation hook")
+
+    reference = build()  # torch stops at the raise: the second layer is never loaded
+    reference[0].register_load_state_dict_post_hook(refuse)
+    with pytest.raises(KeyError):
+        reference.load_state_dict(checkpoint)
+    model = build()
+    model[0].register_load_state_dict_post_hook(refuse)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), opt_level=level, verbosity=0)
+    with pytest.raises(KeyError):
+        model.load_state_dict(checkpoint)
+    want = reference.state_dict()
+    assert torch.equal(want["0.weight"], checkpoint["0.weight"])
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+    def fail_early(module, state_dict, prefix, *args):
+        raise ValueError("pre-hook")
+
+    model[0].register_load_state_dict_pre_hook(fail_early)  # after ampinit's, which notes the dict
+    big = {key: value.clone() for key, value in checkpoint.items()}
+    watch = weakref.ref(big["1.weight"])
+    with pytest.raises(ValueError):
+        model.load_state_dict(big)
+    del big
+    gc.collect()
+    assert watch() is None
+
+
+def test_an_optimizers_own_methods_named_like_apexs_backward_halves_stay():
+    """G21: the AttributeError for apex's private _prepare_amp_backward/_post_amp_backward
+    shadowed a subclass's own methods of those names after initialize."""
+    class Mine(torch.optim.SGD):
+        def _post_amp_backward(self, scaler=None):
+            return "mine"
+
+    model = nn.Linear(2, 2)
+    model, opt = amp.initialize(model, Mine(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    assert opt._post_amp_backward() == "mine"
+    with pytest.raises(AttributeError, match="amp.scale_loss"):
+        opt._prepare_amp_backward()
