@@ -71,10 +71,17 @@ def cast_floating(value: Any, dtype: torch.dtype, _open: Optional[Set[int]] = No
         for key, item in value.items():
             out[key] = done[id(item)] = cast_floating(item, dtype, _open, batch_objects)
         if _is_dataclass_instance(value):  # its fields too, which it may not keep in step with its items (F12);
-            for name in _attributes(value):  # one cast of what both hold (HF's ModelOutput)
-                item = getattr(value, name)
-                cast = done[id(item)] if id(item) in done else cast_floating(item, dtype, _open, batch_objects)
-                object.__setattr__(out, name, cast)
+            _open = set() if _open is None else _open  # one cast of what both hold (HF's ModelOutput)
+            if id(value) in _open:
+                return value  # a cycle through its fields: its own reference stays
+            _open.add(id(value))
+            try:
+                for name in _attributes(value):
+                    item = getattr(value, name)
+                    cast = done[id(item)] if id(item) in done else cast_floating(item, dtype, _open, batch_objects)
+                    object.__setattr__(out, name, cast)
+            finally:
+                _open.discard(id(value))
         return out
     if _is_dataclass_instance(value):
         _open = set() if _open is None else _open

@@ -121,22 +121,8 @@ class OptimizerBinding:
             self.resolve_fused_steps(wait=False)
             return True
         if read_overflow and values[0]:
-            if suspects or self.handle._shard_groups:
-                self.skip_step()
-                return False
-            names = self.nonfinite_param_names(as_read=True)
-            if names or flow.overflow_shared.item():
-                self.skip_step(names)
-                return False
-            # Every inf/NaN the flag saw was cleared by the user since (p.grad.zero_() of the
-            # masters, a master's gradient set to None): what the update reads is finite, and
-            # torch.amp's GradScaler, which checks at the step, would take it (G20).  Not where a
-            # scale_loss for several optimizers overflowed (it skips them all, as in apex: another's
-            # gradients may hold the inf), nor for sharded parameters (each rank sees its shard
-            # only), nor where a model-side change reached the masters only now: code that read
-            # them before the step (clipping amp.master_params) saw the inf, and a clip by an inf
-            # norm zeroes every gradient (G21).
-            flow.forget_overflow()
+            self.skip_step()
+            return False
         return True
 
     def _nonfinite_grads_flag(self) -> torch.Tensor:
@@ -214,12 +200,10 @@ class OptimizerBinding:
         self.steps += 1
         self._end_step()
 
-    def skip_step(self, names: Optional[List[str]] = None) -> None:
-        """Skip this step: record which parameters overflowed (``names``, if known), drop every
-        gradient, and raise if the overflow persists at the scale floor (a NaN bug, not an
-        overflow)."""
-        if names is None:
-            names = self.nonfinite_param_names()
+    def skip_step(self) -> None:
+        """Skip this step: record which parameters overflowed, drop every gradient, and
+        raise if the overflow persists at the scale floor (a NaN bug, not an overflow)."""
+        names = self.nonfinite_param_names()
         loss_ids = set(self.loss_ids_since_step)
         step = self.steps
         self.steps += 1
@@ -279,15 +263,12 @@ class OptimizerBinding:
         self.finish_step()
 
     # -- diagnostics ------------------------------------------------------------------------------
-    def nonfinite_param_names(self, as_read: bool = False) -> List[str]:
+    def nonfinite_param_names(self) -> List[str]:
         """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
-        over the gradients and one sync: called only when a step is skipped.  ``as_read``: only
-        the gradients the update reads (a master's, where its model's gradient is a token left
-        by scale_loss, which the user may have cleared on the master alone)."""
+        over the gradients and one sync: called only when a step is skipped."""
         names, flags = [], []
-        tokens_only = as_read and self.flow.pending is None and not self.flow.fused
         for model, master in self.flow.pairs():
-            grad = master.grad if master.grad is not None or tokens_only else model.grad
+            grad = master.grad if master.grad is not None else model.grad
             if grad is None:
                 continue
             grad = distributed.local(grad)  # FSDP2: this rank's shard
@@ -375,7 +356,9 @@ class OptimizerBinding:
         else:
             cause = ("these gradients are not overflowing, they are inf/NaN at any scale, which points at a bug "
                      "(NaN in the data, the loss or the model) or at state that keeps a skipped step's inf/NaN (a "
-                     "DDP communication hook with memory, such as PowerSGD's error feedback)")
+                     "DDP communication hook with memory, such as PowerSGD's error feedback).  (Gradients made "
+                     "finite by hand after the backward, nan_to_num_ say, are skipped all the same: the step "
+                     "follows the backward's check, as apex's did)")
         broken = self.nonfinite_weight_names()
         if broken:  # skipped steps never write the weights: an applied step or something else did
             cause = (f"the weights themselves hold inf/NaN ({', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}"

@@ -68,6 +68,8 @@ __all__ = ["GradientFlow", "BackwardWatch"]
 # from the token alone (``_IMAGE``), else the token's L2 norm then (a device scalar), or nothing.
 _IMAGE = "the master's gradient"
 _PARKED = "zero from the start"
+# ... for a master whose gradient was set by hand (no loss made it): no evidence of a clear
+_ASSIGNED = "zero from the start, for a gradient set by hand"
 # A token: the model gradient expected on a distinct pair, its version counter then, and the above.
 _Token = Tuple[Optional[torch.Tensor], int, object]
 # The token of a distinct pair whose model gradient scale_loss detached: none is expected.
@@ -138,10 +140,6 @@ class GradientFlow:
         self._name_of = name_of
         self.found_inf = torch.zeros((1,), dtype=torch.float32, device=device)
         self.unscaled_since_step = False   # a scale_loss exit added gradients since step()
-        # the overflow of scale_loss calls for several optimizers since step() (a device flag, read
-        # only where a flagged step's gradients turn out finite): it skips them all, as in apex,
-        # whatever each one's own gradients hold at the step
-        self.overflow_shared = torch.zeros((1,), dtype=torch.float32, device=device)
         self.pending: Optional[_Pending] = None
         # model parameters whose gradients drop_all_grads dropped since zero_grad
         self._dropped: List[torch.Tensor] = []
@@ -331,7 +329,7 @@ class GradientFlow:
         R6: the next step applied it again).  Runs only on such steps."""
         for model, master in self.distinct_pairs():
             if master.grad is not None and model.grad is None and master not in self.deferred:
-                self._park(model, master)
+                self._park(model, master, _ASSIGNED)
 
     def settle_model_clears(self) -> None:
         """Masters whose model parameter's gradient was set to ``None`` since ampinit left it
@@ -352,8 +350,11 @@ class GradientFlow:
                 self._tokens.pop(model, None)
 
     def _forget_overflow_without_gradients(self) -> None:
-        if all(model.grad is None and master.grad is None and master not in self.deferred
-               for model, master in self.pairs()):
+        # A distinct pair's model gradient is a token once unscaled (no delayed gradients
+        # pending): a master cleared through param_groups leaves nothing to step (G20's R1)
+        tokens_only = self.pending is None
+        if all((model.grad is None or (tokens_only and model is not master)) and master.grad is None
+               and master not in self.deferred for model, master in self.pairs()):
             self._forget_overflow()  # every gradient of this step is gone, and its overflow with it
 
     def _suspect(self, model: torch.Tensor, master: torch.Tensor, grad: torch.Tensor) -> None:
@@ -392,12 +393,20 @@ class GradientFlow:
         gradients are still there at a scale_loss (several losses per step without
         ``delay_unscale``, or no zero_grad), never in a loop that clears them."""
         if first:
-            _, now = ops.l2norm([grad for _, _, grad, _ in unchanged], per_tensor=True)
-            self._zero_master_grads_where(unchanged, now == 0)
+            # a token left for a gradient set by hand follows the others: with nothing else
+            # zeroed it was not cleared, and torch would keep adding to that gradient (G20 fuzz)
+            assigned = [entry for entry in unchanged if entry[3] is _ASSIGNED]
+            tokens = [entry for entry in unchanged if entry[3] is not _ASSIGNED]
+            if tokens:
+                _, now = ops.l2norm([grad for _, _, grad, _ in tokens], per_tensor=True)
+                zeroed = now == 0
+                if assigned:
+                    zeroed = torch.cat([zeroed, zeroed.any().expand(len(assigned))])
+                self._zero_master_grads_where(tokens + assigned, zeroed)
             return
         images = [entry for entry in unchanged if entry[3] is _IMAGE]
         normed = [entry for entry in unchanged if isinstance(entry[3], torch.Tensor)]
-        parked = [entry for entry in unchanged if entry[3] is _PARKED]
+        parked = [entry for entry in unchanged if entry[3] is _PARKED or entry[3] is _ASSIGNED]
         watched = images + normed
         if not watched:
             return
@@ -444,16 +453,16 @@ class GradientFlow:
     def _token(self, model: torch.Tensor, grad: torch.Tensor, before: object = None) -> None:
         self._tokens[model] = (grad, grad._version, before)
 
-    def _park(self, model: torch.Tensor, master: torch.Tensor) -> None:
+    def _park(self, model: torch.Tensor, master: torch.Tensor, marker: str = _PARKED) -> None:
         """Leave a zero token on a model parameter that has no gradient of its own (the last
-        loss did not reach it) but whose master has one, so that clearing the model's gradients
-        still reaches the master."""
+        loss did not reach it, or the master's was set by hand: ``marker`` ``_ASSIGNED``) but
+        whose master has one, so that clearing the model's gradients still reaches the master."""
         if master.grad is None and master not in self.deferred:
             model.grad = None
             self._tokens[model] = _DETACHED
             return
         model.grad = torch.zeros_like(model)
-        self._token(model, model.grad, _PARKED)
+        self._token(model, model.grad, marker)
 
     def _clear_master_grad(self, master: torch.Tensor) -> None:
         self.keep_spare(master)
@@ -496,13 +505,8 @@ class GradientFlow:
                        "masters add them in FP32; pass delay_unscale=True to all but the last scale_loss of the "
                        "step to add them in the backward instead, as FP32 masters would bit for bit")
 
-    def forget_overflow(self) -> None:
-        """The step's overflow flag and records, dropped: the user cleared every inf/NaN."""
-        self._forget_overflow()
-
     def _forget_overflow(self) -> None:
         self.found_inf.zero_()
-        self.overflow_shared.zero_()
         self.unscaled_since_step = False
         self.deferred_inv_scale = None
         self.overflow_records = []
@@ -737,7 +741,7 @@ class GradientFlow:
             if model.grad is None:
                 self._tokens.pop(model, None)
                 if not set_to_none and master.grad is not None and master not in self.deferred:
-                    self._park(model, master)  # zeroed, and set by hand: model.zero_grad() must reach it
+                    self._park(model, master, _ASSIGNED)  # set by hand: model.zero_grad() must reach it
             elif set_to_none:
                 model.grad = None
                 self._tokens.pop(model, None)

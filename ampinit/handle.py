@@ -400,8 +400,6 @@ class AmpHandle:
         for binding in bindings:
             torch.maximum(binding.flow.found_inf, scaler.found_inf, out=binding.flow.found_inf)
             binding.loss_ids_since_step.add(loss_id)
-            if len(bindings) > 1:
-                torch.maximum(binding.flow.overflow_shared, scaler.found_inf, out=binding.flow.overflow_shared)
         if not self.scale_updates_at_step:
             scaler.update()
 

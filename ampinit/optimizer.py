@@ -72,6 +72,22 @@ def was_ended(obj: Any) -> bool:
     return optimizer is not None and bool(optimizer.__dict__.get(_ENDED_ATTR))
 
 
+def _apex_backward_half(name: str) -> property:
+    """A property of the swapped class that finds ``name`` where the optimizer defines it (its
+    own class after ampinit's in the MRO, or the instance: G21, a subclass's own method stays)
+    and otherwise raises the AttributeError that says to use ``amp.scale_loss``.  A property,
+    not ``__getattr__``, which would hide the AttributeError any other property raises (G22)."""
+    def get(self: Any) -> Any:
+        own = self.__dict__.get(name)
+        if own is not None:
+            return own
+        for klass in type(self).__mro__:
+            if klass is not _AmpOptimizerMixin and name in klass.__dict__:
+                return klass.__dict__[name].__get__(self, type(self))
+        raise AttributeError(_APEX_BACKWARD_HALVES.format(name=name))
+    return property(get)
+
+
 class _AmpOptimizerMixin:
     """Methods layered over the user's optimizer class (see the module docstring)."""
 
@@ -123,15 +139,10 @@ class _AmpOptimizerMixin:
 
     # apex's two halves of its scale_loss, which hand-written scale_loss copies call (E13: at
     # least six public files).  Not emulated: ampinit's gradients, masters and overflow check
-    # work differently.  Only where the lookup failed (a subclass's own methods of those names
-    # stay, G21), an AttributeError that says why: hasattr stays False.
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_prepare_amp_backward", "_post_amp_backward"):
-            raise AttributeError(_APEX_BACKWARD_HALVES.format(name=name))
-        parent = getattr(super(), "__getattr__", None)
-        if parent is not None:
-            return parent(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # work differently: an AttributeError that says why (hasattr stays False), unless the
+    # optimizer has its own (see _apex_backward_half).
+    _prepare_amp_backward = _apex_backward_half("_prepare_amp_backward")
+    _post_amp_backward = _apex_backward_half("_post_amp_backward")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model parameters behind them, and

@@ -1106,15 +1106,6 @@ class Torch2(NewOps, TorchTrainer):
 
 
 class Ref2(NewOps, ReferenceTrainer):
-    def step(self):
-        # a flagged step whose gradients were all made finite by hand since (zeroed, cleared) is
-        # taken, as GradScaler's check at the step would (R1, fixed); the fused optimizers decide
-        # from the flag on the device
-        if self.found_inf and not self.config.fused and all(
-                m.grad is None or bool(torch.isfinite(m.grad).all()) for m in self.masters.values()):
-            self.found_inf = False
-        super().step()
-
     def model_cleared(self, name):
         master = self.masters.get(name)
         if master is not None:
@@ -1163,11 +1154,11 @@ class Ref2(NewOps, ReferenceTrainer):
 
 def random_ops2(rng, config, n, mirror_known=True):
     """mirror_known: keep out of the sequences the findings that stand (README, "Gradients behave
-    as in PyTorch") so that the run finds something else: with a fused optimizer, no hand-made
-    gradient change while an overflow is pending (R1: the fused step decides from the flag); no
-    ``model.zero_grad()`` after a gradient assigned to the masters with no step or backward since
-    (R2's twin); no clear through param_groups with a fused optimizer at O2/O5 (its deferred
-    gradient, README) or while a step's dropped gradients may be owed (R3, K1).  R1 (non-fused),
+    as in PyTorch") so that the run finds something else: no hand-made gradient change while an
+    overflow is pending (R1: a flagged step skips, as in apex, unless every gradient was
+    cleared); no ``model.zero_grad()`` after a gradient assigned to the masters with no step or
+    backward since (R2's twin); no clear through param_groups with a fused optimizer at O2/O5
+    (its deferred gradient, README) or while a step's dropped gradients may be owed (R3, K1).
     R6 and R8, fixed, are generated."""
     base = generate_ops(rng, config, n)
     out = []
@@ -1183,7 +1174,7 @@ def random_ops2(rng, config, n, mirror_known=True):
             assigned = False
         if kind in ("backward", "accumulate") and op[2] is not None:
             pending = True
-        if kind in ("step", "zero_grad", "model_zero_grad"):
+        if kind in ("step", "zero_grad"):  # model.zero_grad() is seen only at the next scale_loss or step
             pending = False
         if kind == "step":
             debt = True
@@ -1195,7 +1186,7 @@ def random_ops2(rng, config, n, mirror_known=True):
             r = rng.random()
             full = rng.random() < 0.4
             mask = 0xFF if full else rng.randrange(1, 64)
-            if mirror_known and pending and config.fused and r < 0.8:  # R1 stands for the fused optimizers
+            if mirror_known and pending and r < 0.8:  # R1: a flagged step skips, as in apex (README)
                 continue
             if r < 0.22 and not fused_masters and not (mirror_known and debt):
                 out.append(("opt_clear", mask))
@@ -1362,13 +1353,15 @@ def _weight_update(model, opt):
 @pytest.mark.parametrize("level,how", [("O0", "zero_"), ("O1", "zero_"), ("O2", "zero_"), ("O2", "param_groups"),
                                        ("O5", "param_groups"), ("O2", "model_data_zero_")])
 def test_g20_r1_clean_step_after_discarding_an_overflow_is_taken(level, how, optimizer, quiet_single_thread):
-    """G20 R1: the overflow flag outlived a clear other than zero_grad(): zero_() of every
-    gradient (all levels) or p.grad = None through param_groups (O2/O5), then a clean backward:
-    the clean step was skipped, where torch.amp's GradScaler (which checks at the step) takes it.
-    A fused optimizer decides on the device from the flag, without reading the gradients again:
-    it still skips (README)."""
+    """G20 R1: the overflow flag outlives a clear other than zero_grad(), and the clean step
+    after it is skipped, where torch.amp's GradScaler (which checks at the step) takes it.  A
+    master cleared to None through param_groups (every one) now forgets the overflow, as a
+    clear of every gradient did; a zeroed gradient does not (documented: a recheck of the
+    gradients at a flagged step stepped on zeros where a clip had seen the inf, G21/G22)."""
+    if how != "param_groups":
+        pytest.xfail("documented: a flagged step is skipped unless every gradient was cleared")
     if optimizer == "fused_sgd":
-        pytest.xfail("documented: a fused optimizer skips on the backward's overflow flag")
+        pytest.xfail("documented: a fused optimizer's deferred master gradient is None already")
     model, opt = _tiny(level, optimizer)
     x = torch.ones(2, 4)
     bad = x.clone()
