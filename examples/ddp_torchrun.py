@@ -10,6 +10,7 @@ all-reduce carries it to every rank, so all ranks skip that step and stay identi
 """
 
 import argparse
+import gc
 import logging
 import os
 
@@ -72,7 +73,12 @@ def main():
         same = all(torch.equal(g, gathered[0]) for g in gathered)
         print(f"{world} ranks, weights identical across ranks: {same}; "
               f"skipped {optimizer.amp.skipped_steps} step(s)", flush=True)
-    dist.barrier()  # leave together: a rank tearing down gloo while its peer is mid-collective aborts
+    # DDP's reducer holds the process group (so does the last graph, through its hooks): free them
+    # before the group goes, then leave together (a rank tearing gloo down while its peer is still
+    # communicating aborts at exit)
+    del ddp_model, loss, scaled_loss
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
