@@ -383,6 +383,10 @@ class Trainer:
     def trained_params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def params_to_optimize(self):
+        """The model's parameters an optimizer is built over: all but the frozen head."""
+        return [p for n, p in self.model.named_parameters() if not n.startswith("head")]
+
     def snapshot(self):
         snap = {"model": {n: tree_bits(p) for n, p in self.model.named_parameters()},
                 "optimizer_state": optimizer_state_bits(self.optimizer),
@@ -487,8 +491,7 @@ class Trainer:
 class AmpTrainer(Trainer):
     def __init__(self, config):
         super().__init__(config)
-        self.optimizer = make_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
-                                                           if not n.startswith("head")])
+        self.optimizer = make_optimizer(config.optimizer, self.params_to_optimize())
         self.scheduler = None
         if config.scheduler_before_initialize:
             self.scheduler = make_scheduler(config.scheduler, self.optimizer)
@@ -637,8 +640,7 @@ class TorchTrainer(Trainer):
 
     def __init__(self, config):
         super().__init__(config)
-        self.optimizer = make_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
-                                                           if not n.startswith("head")])
+        self.optimizer = make_optimizer(config.optimizer, self.params_to_optimize())
         self.scheduler = make_scheduler(config.scheduler, self.optimizer)
 
     def scaled_backward(self, loss, loss_id, delay_unscale):
@@ -1097,8 +1099,7 @@ class Amp2(NewOps, AmpTrainer):
 class Torch2(NewOps, TorchTrainer):
     def __init__(self, config):
         Trainer.__init__(self, config)
-        self.optimizer = torch_optimizer(config.optimizer, [p for n, p in self.model.named_parameters()
-                                                            if not n.startswith("head")])
+        self.optimizer = torch_optimizer(config.optimizer, self.params_to_optimize())
         self.scheduler = make_scheduler(config.scheduler, self.optimizer)
 
     def fresh(self):
