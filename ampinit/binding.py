@@ -17,7 +17,7 @@ do the work once per step.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -266,27 +266,25 @@ class OptimizerBinding:
     def nonfinite_param_names(self) -> List[str]:
         """Names of the parameters whose (unscaled) gradients hold inf/NaN.  One extra pass
         over the gradients and one sync: called only when a step is skipped."""
-        names, flags = [], []
-        for model, master in self.flow.pairs():
-            grad = master.grad if master.grad is not None else model.grad
-            if grad is None:
-                continue
-            grad = distributed.local(grad)  # FSDP2: this rank's shard
-            values = grad._values() if grad.is_sparse else grad
-            names.append(self.handle.param_name(model))
-            flags.append(torch.logical_not(torch.isfinite(values).all()))
-        if not flags:
-            return []
-        return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
+        return self._names_of_nonfinite(
+            (model, master.grad if master.grad is not None else model.grad) for model, master in self.flow.pairs())
 
     def nonfinite_weight_names(self) -> List[str]:
         """Names of the parameters whose weights (the masters, where there are masters) hold
         inf/NaN.  One pass and one sync: called only when raising."""
+        return self._names_of_nonfinite((model, master.detach()) for model, master in self.flow.pairs())
+
+    def _names_of_nonfinite(self, tensors: Iterable[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> List[str]:
+        """The names of the model parameters whose tensor (``None``: skipped) holds inf/NaN, this
+        rank's shard under FSDP2; one flag per tensor on the device, read in one sync."""
         names, flags = [], []
-        for model, master in self.flow.pairs():
-            weight = distributed.local(master.detach())
+        for model, tensor in tensors:
+            if tensor is None:
+                continue
+            tensor = distributed.local(tensor)
+            values = tensor._values() if tensor.is_sparse else tensor
             names.append(self.handle.param_name(model))
-            flags.append(torch.logical_not(torch.isfinite(weight).all()))
+            flags.append(torch.logical_not(torch.isfinite(values).all()))
         if not flags:
             return []
         return [name for name, bad in zip(names, torch.stack(flags).tolist()) if bad]
